@@ -1,0 +1,57 @@
+"""The bridge's app factory: Training API v1, split inference and the static pages of one node."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from aiohttp import web
+
+from bridge import dgrd, http, training_routes
+from bridge.keys import CONFIG, DATASET, NODE, STATE, TOKENIZER, BridgeState
+from node.config import NodeConfig
+from node.data import TokenDataset
+from node.trainer import TrainingNode
+
+
+def create_app(node: TrainingNode, config: NodeConfig, tokenizer=None,
+               dataset: Optional[TokenDataset] = None) -> web.Application:
+    tensor_elements = tuple(t.elements for t in node.tensors)
+    max_packet = dgrd.max_packet_bytes(tensor_elements)
+    app = web.Application(client_max_size=max_packet + 1024)
+    app[NODE], app[CONFIG], app[DATASET], app[TOKENIZER] = node, config, dataset, tokenizer
+    app[STATE] = BridgeState(tensor_elements=tensor_elements, max_packet_bytes=max_packet)
+    http.install(app)
+    training_routes.add_routes(app)
+    _add_split_routes(app, node, config, tokenizer)
+    _add_pages(app, Path(config.static_dir))
+    return app
+
+
+def _add_split_routes(app: web.Application, node, config, tokenizer) -> None:
+    try:
+        from bridge import split_routes
+    except ImportError:  # split inference not built into this checkout
+        return
+    split_routes.setup(app, node, config, tokenizer)
+
+
+def _add_pages(app: web.Application, static_dir: Path) -> None:
+    pages = {"/": "index.html", "/contribute": "contribute.html", "/chat": "chat.html"}
+    for route, name in pages.items():
+        if (static_dir / name).exists():
+            app.router.add_get(route, _file_handler(static_dir / name))
+    app.router.add_static("/static/", static_dir, show_index=False, follow_symlinks=False)
+
+
+def _file_handler(path: Path):
+    async def handler(request: web.Request) -> web.FileResponse:
+        return web.FileResponse(path)
+    return handler
+
+
+async def start_bridge(node: TrainingNode, config: NodeConfig, tokenizer=None,
+                       dataset: Optional[TokenDataset] = None) -> web.AppRunner:
+    runner = web.AppRunner(create_app(node, config, tokenizer, dataset), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port).start()
+    return runner

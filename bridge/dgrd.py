@@ -1,0 +1,301 @@
+"""Codec for DGRD v1 gradient packets (training-server-api-v1.md, "Binary Gradient Packet").
+
+Pure functions on bytes and numpy arrays: no web import, so the HTTP layer, the tests and
+``bench/bench_ingest.py`` all drive the same code.
+
+Layout, all little-endian::
+
+    header   0  4s  magic "DGRD"
+             4  u16 version (1)
+             6  u16 flags   (0: sparse sections are Mode 1, 1: sparse sections are Mode 2)
+             8  u32 step
+            12  u32 node_id_len (1..256)
+            16  ... node_id (UTF-8, node_id_len bytes)
+             +0 f32 train_loss
+             +4 u32 samples (> 0)
+             +8 u32 n_tensors
+    section  +0 u32 tensor_id
+             +4 u32 nnz
+             +8 body, one of
+                 nnz == 0            Mode 3: tensor_elements x f16 value (dense)
+                 nnz > 0, flags == 0 Mode 1: nnz x (u32 index, f32 value)
+                 nnz > 0, flags == 1 Mode 2: nnz x (u8 skip, f16 value)
+
+Mode 2 indices: the first is ``skip[0]``, each next is ``previous + skip + 1``, i.e.
+``cumsum(skip + 1) - 1``. A step longer than 256 is bridged by the encoder with zero-valued entries.
+
+``decode`` validates the whole packet before it returns, so a caller that decodes and then
+``accumulate``s applies a packet entirely or not at all.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import numpy as np
+
+MAGIC = b"DGRD"
+VERSION = 1
+FLAGS_MODE1 = 0  # sparse sections carry (u32 index, f32 value)
+FLAGS_MODE2 = 1  # sparse sections carry (u8 skip, f16 value)
+MAX_NODE_ID_BYTES = 256
+MAX_SKIP = 255  # largest u8 skip: one Mode 2 entry advances the index by at most 256
+
+HEAD = struct.Struct("<4sHHII")  # magic, version, flags, step, node_id_len
+TAIL = struct.Struct("<fII")  # train_loss, samples, n_tensors
+SECTION = struct.Struct("<II")  # tensor_id, nnz
+
+MODE1_ENTRY = np.dtype([("i", "<u4"), ("v", "<f4")])  # itemsize 8
+MODE2_ENTRY = np.dtype([("s", "<u1"), ("v", "<f2")])  # packed, itemsize 3
+DENSE_ENTRY = np.dtype("<f2")
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+class PacketError(ValueError):
+    """A packet that does not follow DGRD v1; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class Section:
+    tensor_id: int
+    indices: np.ndarray | None  # int64 element indices; None: dense, values has every element
+    values: np.ndarray  # float32, one per index (or per element when dense)
+
+
+@dataclass(frozen=True)
+class Packet:
+    version: int
+    flags: int
+    step: int
+    node_id: str
+    train_loss: float
+    samples: int
+    sections: tuple[Section, ...]
+
+
+# ---------------------------------------------------------------------------------------------
+# decode
+
+
+def _need(buf: memoryview, pos: int, size: int, what: str) -> None:
+    if pos + size > len(buf):
+        raise PacketError(f"truncated {what}: need {size} bytes at offset {pos}, "
+                          f"packet has {len(buf) - pos}")
+
+
+def _check_finite(tid: int, values: np.ndarray) -> None:
+    finite = np.isfinite(values)
+    if not finite.all():
+        bad = int(np.argmin(finite))
+        raise PacketError(f"tensor {tid}: value at entry {bad} is not finite ({values[bad]})")
+
+
+def _check_bounds(tid: int, indices: np.ndarray, elements: int) -> None:
+    if indices.size and int(indices.max()) >= elements:
+        bad = int(indices[int(np.argmax(indices >= elements))])
+        raise PacketError(f"tensor {tid}: index {bad} >= {elements} elements")
+
+
+def decode(data: Buffer, tensor_elements: Sequence[int]) -> Packet:
+    """Parse and fully validate one packet; ``tensor_elements[i]`` is tensor i's element count."""
+    buf = memoryview(data).cast("B")
+    _need(buf, 0, HEAD.size, "header")
+    magic, version, flags, step, id_len = HEAD.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise PacketError(f"bad magic {magic!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise PacketError(f"unsupported version {version}, expected {VERSION}")
+    if flags not in (FLAGS_MODE1, FLAGS_MODE2):
+        raise PacketError(f"flags {flags} not in (0, 1)")
+    if not 1 <= id_len <= MAX_NODE_ID_BYTES:
+        raise PacketError(f"node_id_len {id_len} not in 1..{MAX_NODE_ID_BYTES}")
+    pos = HEAD.size
+    _need(buf, pos, id_len, "node_id")
+    try:
+        node_id = bytes(buf[pos:pos + id_len]).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PacketError(f"node_id is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    pos += id_len
+    _need(buf, pos, TAIL.size, "header")
+    train_loss, samples, n_tensors = TAIL.unpack_from(buf, pos)
+    pos += TAIL.size
+    if not np.isfinite(train_loss):
+        raise PacketError(f"train_loss is not finite ({train_loss})")
+    if samples == 0:
+        raise PacketError("samples == 0")
+    # Every section is at least 8 bytes: refuse an absurd count before looping over it.
+    _need(buf, pos, n_tensors * SECTION.size, f"sections ({n_tensors} declared)")
+
+    sections = []
+    seen: set[int] = set()
+    for k in range(n_tensors):
+        _need(buf, pos, SECTION.size, f"section {k} header")
+        tid, nnz = SECTION.unpack_from(buf, pos)
+        pos += SECTION.size
+        if tid >= len(tensor_elements):
+            raise PacketError(f"tensor {tid}: unknown tensor id "
+                              f"(model has {len(tensor_elements)} tensors)")
+        if tid in seen:
+            raise PacketError(f"tensor {tid}: appears twice in one packet")
+        seen.add(tid)
+        elements = int(tensor_elements[tid])
+        if nnz == 0:  # Mode 3 whatever flags says
+            _need(buf, pos, elements * DENSE_ENTRY.itemsize, f"tensor {tid} dense body")
+            values = np.frombuffer(buf, DENSE_ENTRY, count=elements, offset=pos)
+            values = values.astype(np.float32)
+            pos += elements * DENSE_ENTRY.itemsize
+            _check_finite(tid, values)
+            sections.append(Section(tid, None, values))
+            continue
+        entry = MODE1_ENTRY if flags == FLAGS_MODE1 else MODE2_ENTRY
+        _need(buf, pos, nnz * entry.itemsize, f"tensor {tid} body ({nnz} entries)")
+        rec = np.frombuffer(buf, entry, count=nnz, offset=pos)
+        pos += nnz * entry.itemsize
+        values = rec["v"].astype(np.float32)
+        if flags == FLAGS_MODE1:
+            indices = rec["i"].astype(np.int64)
+        else:
+            indices = rec["s"].astype(np.int64)  # cumsum(skip + 1) - 1, in place
+            indices += 1
+            np.cumsum(indices, out=indices)
+            indices -= 1
+        _check_bounds(tid, indices, elements)
+        _check_finite(tid, values)
+        sections.append(Section(tid, indices, values))
+    if pos != len(buf):
+        raise PacketError(f"trailing bytes: {len(buf) - pos} after the last section")
+    return Packet(version, flags, step, node_id, float(train_loss), samples, tuple(sections))
+
+
+# ---------------------------------------------------------------------------------------------
+# encode
+
+
+def _bridge(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted unique indices -> Mode 2 (skips u8, values f16), zero entries bridging long steps."""
+    steps = np.diff(indices, prepend=-1)  # >= 1; the first step counts from a virtual -1
+    per = (steps - 1) // (MAX_SKIP + 1) + 1  # entries each index needs, fillers included
+    ends = np.cumsum(per) - 1  # position of each real entry
+    total = int(ends[-1]) + 1
+    skips = np.full(total, MAX_SKIP, np.uint8)  # a filler advances by exactly 256
+    skips[ends] = steps - (MAX_SKIP + 1) * (per - 1) - 1
+    out = np.zeros(total, np.float16)
+    out[ends] = values
+    return skips, out
+
+
+def _to_f16(tid: int, values: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        half = np.asarray(values, np.float32).astype("<f2")
+    if not np.isfinite(half).all():
+        raise ValueError(f"tensor {tid}: value not finite or beyond float16 range")
+    return half
+
+
+def encode(step: int, node_id: str, train_loss: float, samples: int,
+           sections: Sequence[tuple[int, np.ndarray | None, np.ndarray] | Section],
+           flags: int = FLAGS_MODE1) -> bytes:
+    """Build a packet. ``sections`` holds (tensor_id, indices or None for dense, values).
+
+    Dense sections go out as Mode 3 (f16). Sparse ones as Mode 1 when ``flags == 0`` (kept as
+    given, repeats included) or Mode 2 when ``flags == 1`` (sorted, repeats summed, bridged).
+    A sparse section with no entries is left out: nnz == 0 would mean dense, and it adds nothing.
+    """
+    if flags not in (FLAGS_MODE1, FLAGS_MODE2):
+        raise ValueError(f"flags {flags} not in (0, 1)")
+    nid = node_id.encode("utf-8")
+    if not 1 <= len(nid) <= MAX_NODE_ID_BYTES:
+        raise ValueError(f"node_id is {len(nid)} bytes in UTF-8, must be 1..{MAX_NODE_ID_BYTES}")
+    if not 1 <= samples < 2**32:
+        raise ValueError(f"samples {samples} not in 1..2**32-1")
+    with np.errstate(over="ignore"):
+        loss32 = np.float32(train_loss)
+    if not np.isfinite(loss32):
+        raise ValueError(f"train_loss {train_loss} is not finite as float32")
+
+    body: list[bytes] = []
+    for s in sections:
+        tid, indices, values = ((s.tensor_id, s.indices, s.values) if isinstance(s, Section)
+                                else s)
+        values = np.asarray(values).reshape(-1)
+        if indices is None:
+            body += [SECTION.pack(tid, 0), _to_f16(tid, values).tobytes()]
+            continue
+        indices = np.asarray(indices).reshape(-1).astype(np.int64)
+        if indices.shape != values.shape:
+            raise ValueError(f"tensor {tid}: {indices.size} indices but {values.size} values")
+        if indices.size == 0:
+            continue
+        if indices.min() < 0 or indices.max() >= 2**32:
+            raise ValueError(f"tensor {tid}: index out of u32 range")
+        if flags == FLAGS_MODE1:
+            if not np.isfinite(values).all():
+                raise ValueError(f"tensor {tid}: value not finite")
+            rec = np.empty(indices.size, MODE1_ENTRY)
+            rec["i"] = indices
+            rec["v"] = values
+        else:
+            if indices.size > 1 and not (np.diff(indices) > 0).all():
+                indices, inverse = np.unique(indices, return_inverse=True)
+                values = np.bincount(inverse, weights=values, minlength=indices.size)
+            skips, half = _bridge(indices, _to_f16(tid, values))
+            rec = np.empty(skips.size, MODE2_ENTRY)
+            rec["s"] = skips
+            rec["v"] = half
+        body += [SECTION.pack(tid, rec.size), rec.tobytes()]
+
+    head = HEAD.pack(MAGIC, VERSION, flags, step, len(nid)) + nid
+    tail = TAIL.pack(train_loss, samples, len(body) // 2)
+    return b"".join([head, tail, *body])
+
+
+def topk_sections(grads: Sequence[np.ndarray], fraction: float
+                  ) -> list[tuple[int, np.ndarray | None, np.ndarray]]:
+    """Keep the ``fraction`` largest-magnitude entries of each gradient (at least one).
+
+    A tensor that would keep every element is sent dense.
+    """
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction {fraction} not in (0, 1]")
+    out = []
+    for tid, g in enumerate(grads):
+        flat = np.asarray(g, np.float32).reshape(-1)
+        k = max(1, int(round(flat.size * fraction)))
+        if k >= flat.size:
+            out.append((tid, None, flat))
+            continue
+        idx = np.argpartition(np.abs(flat), flat.size - k)[flat.size - k:]
+        idx.sort()
+        out.append((tid, idx.astype(np.int64), flat[idx]))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# apply
+
+
+def accumulate(packet: Packet, accumulators: Sequence[np.ndarray], weight: float = 1.0) -> None:
+    """Add ``weight * values`` of every section into the flat float32 ``accumulators[tid]``.
+
+    Call only with a packet ``decode`` returned: it has checked ids and bounds already.
+    """
+    w = np.float32(weight)
+    for s in packet.sections:
+        acc = accumulators[s.tensor_id]
+        if s.indices is None:
+            acc += w * s.values
+        else:
+            # Mode 1 may repeat an index and repeats add up. Measured with numpy 2.3, 386k entries
+            # into 38.6M elements: np.add.at 8 ms (its fast path since numpy 2), acc[idx] += 14 ms
+            # (and wrong for repeats), np.bincount(minlength=) 335 ms: it builds and adds a
+            # float64 array of the whole tensor.
+            np.add.at(acc, s.indices, w * s.values)
+
+
+def max_packet_bytes(tensor_elements: Sequence[int]) -> int:
+    """Largest packet the model allows: 256-byte node_id, every tensor dense in Mode 1."""
+    head = HEAD.size + MAX_NODE_ID_BYTES + TAIL.size
+    return head + sum(SECTION.size + MODE1_ENTRY.itemsize * int(n) for n in tensor_elements)

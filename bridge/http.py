@@ -1,0 +1,91 @@
+"""HTTP/1.1 rules of Training API v1 that hold for every route: CORS everywhere, JSON errors, body limits."""
+from __future__ import annotations
+
+from typing import Optional
+
+from aiohttp import web
+from hivemind.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+CORS_HEADERS = {
+    "Access-Control-Allow-Origin": "*",
+    "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+    "Access-Control-Allow-Headers": "Content-Type, Content-Length",
+    "Access-Control-Expose-Headers": (
+        "X-Model-Step, X-Tensor-Id, X-Tensor-Offset, X-Tensor-Count, X-Tensor-Format, X-Batch-Size, X-Seq-Len"
+    ),
+    "Access-Control-Max-Age": "86400",
+}
+
+
+class ApiError(Exception):
+    """An answer other than 200, raised by handlers and turned into JSON at the boundary."""
+
+    def __init__(self, status: int, message: str, server_step: Optional[int] = None):
+        super().__init__(message)
+        self.status, self.message, self.server_step = status, message, server_step
+
+    def response(self) -> web.Response:
+        body = {"ok": False, "message": self.message}
+        if self.server_step is not None:
+            body["server_step"] = self.server_step
+        return web.json_response(body, status=self.status)
+
+
+async def _add_cors(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers.update(CORS_HEADERS)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return e.response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        # aiohttp's own errors (unknown route, wrong method) answered as JSON like ours
+        return web.json_response({"ok": False, "message": e.reason}, status=e.status)
+    except Exception as e:  # a bug of ours: log it and answer without a traceback
+        logger.exception(f"{request.method} {request.path} failed: {e}")
+        return web.json_response({"ok": False, "message": "internal error"}, status=500)
+
+
+@web.middleware
+async def preflight_middleware(request: web.Request, handler):
+    # Preflight answered here, not by a catch-all OPTIONS route: such a route matches every path, so
+    # aiohttp answered GET/POST of an unknown path with 405 instead of 404.
+    if request.method == "OPTIONS":
+        return web.Response(status=204)
+    return await handler(request)
+
+
+def install(app: web.Application) -> None:
+    app.middlewares.append(error_middleware)
+    app.middlewares.append(preflight_middleware)
+    app.on_response_prepare.append(_add_cors)
+
+
+async def read_body(request: web.Request, max_body_bytes: int) -> bytes:
+    """The request body, with the spec's 411 (no Content-Length) and 413 (too large) answers."""
+    length = request.content_length
+    if length is None:
+        raise ApiError(411, "Content-Length required")
+    if length > max_body_bytes:
+        raise ApiError(413, f"body of {length} bytes exceeds the limit of {max_body_bytes} bytes")
+    return await request.read()
+
+
+def int_param(request: web.Request, name: str, default: Optional[int] = None, minimum: int = 0) -> Optional[int]:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ApiError(400, f"{name} must be an integer, got {raw!r}") from None
+    if value < minimum:
+        raise ApiError(400, f"{name} must be >= {minimum}, got {value}")
+    return value

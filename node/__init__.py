@@ -1,0 +1,1 @@
+"""dtrain node: the shared model, the hivemind swarm and the training thread."""

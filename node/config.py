@@ -1,0 +1,149 @@
+"""Configuration dataclasses: the model, the optimizer and the node process.
+
+Files in `static/` and `configs/` load into these; every `dtrain-node` flag maps onto a field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from node.split.config import SplitConfig
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_STATIC_DIR = REPO_ROOT / "static"
+
+
+class ConfigError(ValueError):
+    """A configuration file or flag is invalid; the message says which field and why."""
+
+
+def _from_mapping(cls, data: dict, source: str):
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{source}: unknown field(s) {unknown}; expected some of {sorted(names)}")
+    try:
+        return cls(**data)
+    except TypeError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """GPT-2-style causal LM shape, as `static/model_config.json` spells it."""
+
+    vocab_size: int = 50257  # tokens in the GPT-2 vocabulary
+    d_model: int = 256  # hidden size
+    n_heads: int = 4  # attention heads per block
+    n_layers: int = 4  # transformer blocks
+    d_ff: int = 1024  # inner size of each MLP
+    max_seq_len: int = 256  # learned positions
+    seed: int = 1234  # initialisation seed: every fresh swarm starts from the same parameters
+    name: str = "dtrain-gpt2"  # informational model name
+
+    def __post_init__(self):
+        for key in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"model config: {key} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"model config: d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+
+    @classmethod
+    def load(cls, path: Path | str) -> "ModelConfig":
+        return _from_mapping(cls, _read_json(path), str(path))
+
+    def api_dict(self) -> dict:
+        """The `config` block of `/api/v1/model/info`."""
+        keys = ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len")
+        return {k: getattr(self, k) for k in keys}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimizer settings: the `train` block of the API (`static/train_config.json`)."""
+
+    learning_rate: float = 3e-4  # AdamW step size
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.999  # AdamW second-moment decay
+    eps: float = 1e-8  # AdamW denominator epsilon
+    weight_decay: float = 0.01  # AdamW decoupled weight decay
+    min_nodes_for_update: int = 1  # distinct contributors before a node hands its bridge gradient to the swarm
+
+    def __post_init__(self):
+        if not isinstance(self.min_nodes_for_update, int) or self.min_nodes_for_update < 1:
+            raise ConfigError(f"train config: min_nodes_for_update must be >= 1, got {self.min_nodes_for_update!r}")
+        if not self.learning_rate > 0:
+            raise ConfigError(f"train config: learning_rate must be > 0, got {self.learning_rate!r}")
+
+    @classmethod
+    def load(cls, path: Path | str) -> "TrainConfig":
+        return _from_mapping(cls, _read_json(path), str(path))
+
+    def api_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class SwarmConfig:
+    """How the node joins the hivemind swarm and when the swarm steps."""
+
+    initial_peers: Sequence[str] = ()  # multiaddrs of any running peer; empty starts a new swarm
+    host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",)  # where libp2p listens
+    announce_maddrs: Sequence[str] = ()  # addresses to advertise instead of the listening ones
+    identity_path: Optional[str] = None  # libp2p private key file: a stable peer id across restarts
+    run_id: str = "dtrain"  # swarm name: peers with the same run_id train together
+    target_batch_size: int = 64  # samples the swarm gathers per optimizer update
+    matchmaking_time_s: float = 5.0  # how long averaging waits to gather a group (must exceed request_timeout_s)
+    averaging_timeout_s: float = 30.0  # bound on one all-reduce round
+    request_timeout_s: float = 3.0  # bound on one averaging RPC
+    load_state_timeout_s: float = 120.0  # bound on downloading state from a peer
+
+    def __post_init__(self):
+        if self.matchmaking_time_s <= self.request_timeout_s:
+            raise ConfigError(
+                f"matchmaking_time ({self.matchmaking_time_s}s) must exceed request_timeout ({self.request_timeout_s}s);"
+                " hivemind stalls when they are equal"
+            )
+        if self.target_batch_size < 1:
+            raise ConfigError("target_batch_size must be >= 1")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Everything one `dtrain-node` process runs with."""
+
+    host: str = "0.0.0.0"  # bridge HTTP listen address
+    port: int = 8095  # bridge HTTP port
+    static_dir: str = str(DEFAULT_STATIC_DIR)  # configs, tokenizer files and pages served under /static/
+    model_config: Optional[str] = None  # path; default <static_dir>/model_config.json
+    train_config: Optional[str] = None  # path; default <static_dir>/train_config.json
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    checkpoint_dir: Optional[str] = None  # where state is saved; None disables checkpoints
+    checkpoint_every: int = 10  # updates between checkpoints
+    train_data: Optional[str] = None  # local text file the node trains on itself and hands out as batches
+    local_batch_size: int = 8  # sequences per local training step
+    local_seq_len: int = 64  # tokens per sequence of local training and handed-out batches
+    log_level: str = "INFO"
+    split: SplitConfig = field(default_factory=SplitConfig)  # split-inference options
+
+    def model_config_path(self) -> Path:
+        return Path(self.model_config) if self.model_config else Path(self.static_dir) / "model_config.json"
+
+    def train_config_path(self) -> Path:
+        return Path(self.train_config) if self.train_config else Path(self.static_dir) / "train_config.json"
+
+
+def _read_json(path: Path | str) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return data

@@ -1,0 +1,367 @@
+"""The node's training thread and the thread-safe interface the bridge calls.
+
+Every call into hivemind happens on one thread owned by `TrainingNode`. Other threads (the HTTP bridge,
+split inference) only:
+- `submit(...)`: add a samples-weighted gradient contribution for a step (validated by the caller);
+- `snapshot()`: read the immutable parameters of the current step (FP32 and FP16, one consistent copy);
+- `losses()`, `step`, `status()`.
+
+Gradient bookkeeping. The bridge accumulates `sum(samples_i * g_i)` over packets until
+`min_nodes_for_update` distinct contributors have submitted, then hands the sum over. The training thread
+adds hand-overs and its own local batches into one epoch accumulator and, once hivemind says the swarm is
+ready, calls `Optimizer.step(batch_size=samples)` exactly once with `grad = sum / samples`. One call per
+epoch keeps hivemind's own accumulator exact (it rescales by the first batch size of an epoch), so the
+swarm averages `sum_i(S_i g_i) / sum_i(S_i)` as NOTES.md asks.
+"""
+from __future__ import annotations
+
+import hashlib
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+from hivemind.utils.logging import get_logger
+
+from node import checkpoint as ckpt
+from node import swarm
+from node.config import ModelConfig, NodeConfig, TrainConfig
+from node.data import TokenDataset
+from node.model import TensorInfo, build_model, tensor_infos
+
+logger = get_logger(__name__)
+
+LATE_WINDOW_STEPS = 5  # packets for [step - 5, step] are accepted (Training API v1, "Late Submissions")
+POLL_S = 0.25  # how often an idle training thread looks at the swarm's progress
+ANNOUNCE_EVERY_S = 3.0  # how often the node refreshes its record in the swarm's node list
+
+
+class StepMismatch(Exception):
+    """A contribution's step is outside the accepted window; the client must fetch the latest model."""
+
+    def __init__(self, server_step: int):
+        super().__init__(f"step mismatch; fetch latest model (server step {server_step})")
+        self.server_step = server_step
+
+
+class NodeStopped(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The parameters of one step; never mutated after publication, so readers need no lock."""
+
+    step: int  # API step: hivemind epoch + 1
+    updates: int  # optimizer updates applied (the epoch)
+    f32: tuple[np.ndarray, ...]  # flat float32 copies in manifest order
+    f16: tuple[np.ndarray, ...]  # the same, converted to FP16 once per step
+    digest: str  # sha256 over the FP32 bytes of every tensor in order
+
+
+@dataclass
+class _Contributions:
+    """Bridge packets gathered since the last hand-over (guarded by TrainingNode._lock)."""
+
+    sums: list[np.ndarray]  # per tensor: sum(samples * grad), flat float32
+    samples: int = 0
+    loss_sum: float = 0.0  # sum(samples * train_loss)
+    node_ids: set = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class _HandOver:
+    sums: list[np.ndarray]
+    samples: int
+    loss_sum: float
+
+
+def _publish(model: torch.nn.Module, epoch: int) -> Snapshot:
+    f32 = tuple(p.detach().reshape(-1).numpy().copy() for p in model.parameters())
+    for a in f32:
+        a.setflags(write=False)
+    f16 = tuple(a.astype(np.float16) for a in f32)
+    for a in f16:
+        a.setflags(write=False)
+    digest = hashlib.sha256()
+    for a in f32:
+        digest.update(a.data)
+    return Snapshot(step=epoch + 1, updates=epoch, f32=f32, f16=f16, digest=digest.hexdigest())
+
+
+class TrainingNode:
+    """One node of the swarm: owns the model, the DHT, hivemind.Optimizer and the training thread."""
+
+    def __init__(self, config: NodeConfig, model_config: ModelConfig, train_config: TrainConfig,
+                 dataset: Optional[TokenDataset] = None):
+        self.config, self.model_config, self.train_config = config, model_config, train_config
+        self.dataset = dataset
+        self.model = build_model(model_config)
+        self.tensors: tuple[TensorInfo, ...] = tensor_infos(self.model)
+        self.total_params = sum(t.elements for t in self.tensors)
+        self.maddrs: list[str] = []
+        self.peer_id: str = ""
+
+        self._lock = threading.Lock()
+        self._contrib = self._empty_contributions()
+        self._queue: "queue.Queue[_HandOver]" = queue.Queue()
+        self._losses: list[float] = []
+        self._snapshot: Optional[Snapshot] = None
+        self._contributors_seen: set = set()
+        self._samples_total = 0
+        self._num_peers = 1
+        self._swarm_nodes: dict[str, dict] = {}
+        self._last_announce = 0.0
+        self._snapshot_listeners: list[Callable[[Snapshot], None]] = []
+
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dtrain-training", daemon=True)
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Join (or start) the swarm and catch up, then start the training thread; returns once it may serve.
+
+        Call it from the main thread: hivemind's averagers install signal handlers when they are created.
+        """
+        self.dht = self.optimizer = None
+        try:
+            self._join()
+        except BaseException:
+            swarm.shutdown(self.optimizer, self.dht)
+            raise
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def add_snapshot_listener(self, callback: Callable[[Snapshot], None]) -> None:
+        """Called on the training thread after every new snapshot (split inference reloads its weights)."""
+        self._snapshot_listeners.append(callback)
+
+    # ---- interface for other threads -----------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        return self.snapshot().step
+
+    def snapshot(self) -> Snapshot:
+        snap = self._snapshot
+        if snap is None:
+            raise NodeStopped("node has not started")
+        return snap
+
+    def losses(self) -> list[float]:
+        with self._lock:
+            return list(self._losses)
+
+    def status(self) -> dict:
+        snap = self.snapshot()
+        with self._lock:
+            return {
+                "step": snap.step,
+                "updates": snap.updates,
+                "peers": max(self._num_peers, len(self._swarm_nodes)),
+                "training_peers": self._num_peers,
+                "nodes": [dict(info, peer_id=pid) for pid, info in sorted(self._swarm_nodes.items())],
+                "peer_id": self.peer_id,
+                "maddrs": list(self.maddrs),
+                "contributors": len(self._contributors_seen),
+                "samples_total": self._samples_total,
+                "pending_contributors": len(self._contrib.node_ids),
+                "params_sha256": snap.digest,
+            }
+
+    def check_step(self, packet_step: int) -> int:
+        step = self.step
+        if not step - LATE_WINDOW_STEPS <= packet_step <= step:
+            raise StepMismatch(step)
+        return step
+
+    def submit(self, node_id: str, packet_step: int, samples: int, train_loss: float,
+               scatter: Callable[[Sequence[np.ndarray], float], None]) -> int:
+        """Add one validated contribution; `scatter(sums, weight)` adds weight * its gradient into `sums`.
+
+        Raises StepMismatch (nothing applied) when packet_step is outside [step - 5, step].
+        Returns the server step.
+        """
+        with self._lock:
+            step = self.check_step(packet_step)
+            contrib = self._contrib
+            scatter(contrib.sums, float(samples))
+            contrib.samples += samples
+            contrib.loss_sum += float(samples) * float(train_loss)
+            contrib.node_ids.add(node_id)
+            self._contributors_seen.add(node_id)
+            self._samples_total += samples
+            if len(contrib.node_ids) >= self.train_config.min_nodes_for_update:
+                self._queue.put(_HandOver(contrib.sums, contrib.samples, contrib.loss_sum))
+                self._contrib = self._empty_contributions()
+            return step
+
+    # ---- the training thread -------------------------------------------------------------------------------
+
+    def _empty_contributions(self) -> _Contributions:
+        return _Contributions(sums=[np.zeros(t.elements, dtype=np.float32) for t in self.tensors])
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:
+            logger.exception(f"Training thread failed: {e}")
+        finally:
+            self._save_checkpoint()
+            swarm.shutdown(self.optimizer, self.dht)
+            logger.info("Swarm connection closed")
+
+    def _join(self) -> None:
+        cfg = self.config
+        restored = ckpt.load(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+        local_opt = swarm.make_local_optimizer(self.model, self.train_config)
+        if restored is not None:
+            # restore before hivemind wraps the optimizer: its averagers keep references to these tensors
+            self.model.load_state_dict(restored.model_state)
+            local_opt.load_state_dict(restored.optimizer_state)
+            self._losses = list(restored.losses)
+            logger.info(f"Restored checkpoint: epoch {restored.epoch}, {len(restored.losses)} losses")
+
+        self.dht = swarm.create_dht(cfg.swarm)
+        self.maddrs = swarm.visible_maddrs(self.dht)
+        self.peer_id = str(self.dht.peer_id)
+        self.optimizer = swarm.make_swarm_optimizer(self.dht, local_opt, cfg.swarm)
+        if restored is not None:
+            self.optimizer.state_averager.local_epoch = restored.epoch
+            self.optimizer.tracker.report_local_progress(restored.epoch, 0)
+
+        if cfg.swarm.initial_peers:
+            swarm.wait_for_swarm_progress(self.optimizer, timeout_s=10.0)
+            if self.optimizer.tracker.global_epoch > self.optimizer.local_epoch or restored is None:
+                logger.info("Loading the swarm's parameters and optimizer state from peers")
+                self.optimizer.load_state_from_peers()
+        self._epoch = self.optimizer.local_epoch
+        self._reset_epoch_accumulator()
+        self._publish()
+        logger.info(f"Node ready at step {self._snapshot.step} (epoch {self._epoch})")
+
+    def _reset_epoch_accumulator(self) -> None:
+        self._epoch_sums = [torch.zeros(t.elements) for t in self.tensors]
+        self._epoch_samples = 0
+        self._epoch_loss_sum = 0.0
+
+    def _publish(self) -> None:
+        snap = _publish(self.model, self.optimizer.local_epoch)
+        self._snapshot = snap
+        logger.info(f"step {snap.step} params sha256 {snap.digest}")
+        for callback in self._snapshot_listeners:
+            try:
+                callback(snap)
+            except Exception as e:
+                logger.exception(f"snapshot listener failed: {e}")
+
+    def _loop(self) -> None:
+        rng = np.random.default_rng(int.from_bytes(self.peer_id.encode()[-8:], "little"))
+        self._last_checkpoint_epoch = self.optimizer.local_epoch
+        while not self._stop.is_set():
+            try:
+                worked = self._iteration(rng)
+            except Exception as e:  # log and go on: one failed round must not stop the node
+                logger.exception(f"Training round failed: {e!r}")
+                worked = False
+            if not worked:
+                self._stop.wait(POLL_S)
+
+    def _iteration(self, rng: np.random.Generator) -> bool:
+        worked = self._drain_hand_overs()
+        if self.dataset is not None:
+            self._local_batch(rng)
+            worked = True
+        self.optimizer.tracker.report_local_progress(self.optimizer.local_epoch, self._epoch_samples)
+        self._maybe_update()
+        self._num_peers = max(1, self.optimizer.tracker.global_progress.num_peers)
+        if time.monotonic() - self._last_announce >= ANNOUNCE_EVERY_S:
+            self._announce()
+        epoch = self.optimizer.local_epoch
+        if self.config.checkpoint_dir and epoch - self._last_checkpoint_epoch >= self.config.checkpoint_every:
+            self._save_checkpoint()
+            self._last_checkpoint_epoch = epoch
+        return worked
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _drain_hand_overs(self) -> bool:
+        worked = False
+        while True:
+            try:
+                hand_over = self._queue.get_nowait()
+            except queue.Empty:
+                return worked
+            for acc, part in zip(self._epoch_sums, hand_over.sums):
+                acc.add_(torch.from_numpy(part))
+            self._epoch_samples += hand_over.samples
+            self._epoch_loss_sum += hand_over.loss_sum
+            worked = True
+
+    def _local_batch(self, rng: np.random.Generator) -> None:
+        cfg = self.config
+        seq_len = min(cfg.local_seq_len, self.model_config.max_seq_len)
+        tokens = torch.from_numpy(self.dataset.batch(cfg.local_batch_size, seq_len, rng).astype(np.int64))
+        self.model.zero_grad(set_to_none=True)
+        loss = self.model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        batch = tokens.shape[0]
+        with torch.no_grad():
+            for acc, p in zip(self._epoch_sums, self.model.parameters()):
+                acc.add_(p.grad.reshape(-1), alpha=batch)
+        self._epoch_samples += batch
+        self._epoch_loss_sum += batch * loss.item()
+
+    def _maybe_update(self) -> None:
+        opt = self.optimizer
+        if self._epoch_samples > 0 and opt.tracker.ready_to_update_epoch:
+            samples = self._epoch_samples
+            mean_loss = self._epoch_loss_sum / samples
+            with torch.no_grad():
+                for p, acc in zip(self.model.parameters(), self._epoch_sums):
+                    p.grad = (acc / samples).view_as(p)
+            opt.step(batch_size=samples)
+            self.model.zero_grad(set_to_none=True)
+            if opt.local_epoch > self._epoch:
+                with self._lock:
+                    self._losses.append(mean_loss)
+                logger.info(f"update {opt.local_epoch}: {samples} samples, loss {mean_loss:.4f}")
+        elif opt.tracker.global_epoch > opt.local_epoch + (0 if self._epoch_samples == 0 else 1):
+            # the swarm moved on without us: take its state instead of applying stale gradients
+            logger.info(f"Behind the swarm (epoch {opt.local_epoch} < {opt.tracker.global_epoch}); loading state")
+            opt.load_state_from_peers()
+        if opt.local_epoch != self._epoch:
+            self._epoch = opt.local_epoch
+            self._reset_epoch_accumulator()
+            self._publish()
+
+    def _announce(self) -> None:
+        self._last_announce = time.monotonic()
+        run_id = self.config.swarm.run_id
+        info = {"step": self.step, "bridge_port": self.config.port, "maddrs": self.maddrs[:4]}
+        swarm.announce(self.dht, run_id, self.peer_id, info)
+        nodes = swarm.list_nodes(self.dht, run_id)
+        with self._lock:
+            self._swarm_nodes = nodes
+
+    def _save_checkpoint(self) -> None:
+        if not self.config.checkpoint_dir or self.optimizer is None:
+            return
+        try:
+            ckpt.save(self.config.checkpoint_dir, ckpt.Checkpoint(
+                model_state={k: v.clone() for k, v in self.model.state_dict().items()},
+                optimizer_state=self.optimizer.state_averager.optimizer.state_dict(),
+                epoch=self.optimizer.local_epoch,
+                losses=self.losses(),
+            ))
+        except Exception as e:
+            logger.exception(f"Checkpoint failed: {e}")

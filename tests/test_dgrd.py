@@ -1,0 +1,285 @@
+"""DGRD v1 codec: round trips of every mode, byte layout, and every malformed case in NOTES.md."""
+
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from bridge import dgrd
+from bridge.dgrd import PacketError
+
+ELEMENTS = [4096, 10, 1000, 3]
+
+
+def dense(sections, elements):
+    """The flat float32 sum a list of sections adds, via accumulate."""
+    acc = [np.zeros(n, np.float32) for n in elements]
+    packet = dgrd.Packet(1, 0, 0, "x", 0.0, 1, tuple(sections))
+    dgrd.accumulate(packet, acc)
+    return acc
+
+
+def packet(sections=((1, [2, 5], [0.5, -1.0]),), flags=0, **kw):
+    args = dict(step=7, node_id="node-a", train_loss=2.5, samples=4)
+    args.update(kw)
+    return dgrd.encode(sections=list(sections), flags=flags, **args)
+
+
+# ---------------------------------------------------------------------------------------------
+# layout
+
+
+def test_header_bytes_match_hand_built_struct():
+    data = packet(((3, [1], [2.0]),), flags=0, step=258, node_id="né")
+    nid = "né".encode()
+    head = struct.pack("<4sHHII", b"DGRD", 1, 0, 258, len(nid)) + nid
+    head += struct.pack("<fII", 2.5, 4, 1)
+    body = struct.pack("<II", 3, 1) + struct.pack("<If", 1, 2.0)
+    assert data == head + body
+
+
+def test_mode2_and_mode3_bytes():
+    data = packet(((3, None, [1.0, -2.0, 0.5]), (1, [0, 3], [1.5, 2.0])), flags=1)
+    body = data[16 + len("node-a") + 12:]
+    want = struct.pack("<II", 3, 0) + struct.pack("<3e", 1.0, -2.0, 0.5)
+    want += struct.pack("<II", 1, 2) + struct.pack("<Be", 0, 1.5) + struct.pack("<Be", 2, 2.0)
+    assert body == want
+    assert data[6:8] == b"\x01\x00"
+
+
+def test_max_packet_bytes():
+    assert dgrd.max_packet_bytes([10, 3]) == 16 + 256 + 12 + (8 + 80) + (8 + 24)
+    biggest = dgrd.encode(0, "n" * 256, 1.0, 1, [(0, np.arange(10), np.ones(10)),
+                                                   (1, np.arange(3), np.ones(3))], 0)
+    assert len(biggest) == dgrd.max_packet_bytes([10, 3])
+
+
+# ---------------------------------------------------------------------------------------------
+# round trips
+
+f32 = st.floats(allow_nan=False, allow_infinity=False, width=32)
+f16 = st.floats(allow_nan=False, allow_infinity=False, width=16)
+
+
+@st.composite
+def model_and_sections(draw, value_strategy, unique):
+    elements = draw(st.lists(st.integers(1, 700), min_size=1, max_size=4))
+    tids = draw(st.lists(st.integers(0, len(elements) - 1), unique=True, min_size=1))
+    sections = []
+    for tid in tids:
+        n = elements[tid]
+        idx_st = st.integers(0, n - 1)
+        idx = draw(st.lists(idx_st, min_size=1, max_size=20, unique=unique))
+        vals = draw(st.lists(value_strategy, min_size=len(idx), max_size=len(idx)))
+        sections.append((tid, np.array(idx, np.int64), np.array(vals, np.float32)))
+    return elements, sections
+
+
+@settings(deadline=None, max_examples=60)
+@given(model_and_sections(f32, unique=False), st.integers(0, 2**32 - 1),
+       st.text(min_size=1, max_size=20))
+def test_mode1_round_trip_exact(case, step, node_id):
+    elements, sections = case
+    p = dgrd.decode(dgrd.encode(step, node_id, 1.25, 3, sections, 0), elements)
+    assert (p.version, p.flags, p.step, p.node_id, p.train_loss, p.samples) == \
+        (1, 0, step, node_id, 1.25, 3)
+    assert [s.tensor_id for s in p.sections] == [t for t, _, _ in sections]
+    for got, (_, idx, vals) in zip(p.sections, sections):
+        assert got.indices.dtype == np.int64 and got.values.dtype == np.float32
+        np.testing.assert_array_equal(got.indices, idx)  # order and repeats kept
+        np.testing.assert_array_equal(got.values, vals)
+
+
+@settings(deadline=None, max_examples=60)
+@given(model_and_sections(f16, unique=True))
+def test_mode2_round_trip_exact(case):
+    elements, sections = case
+    p = dgrd.decode(dgrd.encode(1, "n", 0.0, 1, sections, 1), elements)
+    assert p.flags == 1
+    for got, (tid, idx, vals) in zip(p.sections, sections):
+        assert np.all(np.diff(got.indices) > 0)
+        nz = np.isin(got.indices, idx)
+        np.testing.assert_array_equal(got.values[~nz], 0)  # bridging entries are zeros
+        order = np.argsort(idx)
+        np.testing.assert_array_equal(got.indices[nz], idx[order])
+        np.testing.assert_array_equal(got.values[nz], vals[order])
+
+
+@settings(deadline=None, max_examples=40)
+@given(st.lists(st.lists(f16, min_size=1, max_size=50), min_size=1, max_size=3), st.sampled_from([0, 1]))
+def test_mode3_round_trip_exact_whatever_flags(tensors, flags):
+    elements = [len(t) for t in tensors]
+    sections = [(tid, None, np.array(t, np.float32)) for tid, t in enumerate(tensors)]
+    data = dgrd.encode(0, "n", 0.0, 1, sections, flags)
+    p = dgrd.decode(data, elements)
+    for got, (_, _, vals) in zip(p.sections, sections):
+        assert got.indices is None
+        np.testing.assert_array_equal(got.values, vals)
+
+
+def test_mode2_gaps_over_256_are_bridged():
+    idx = np.array([0, 300, 1000])
+    data = dgrd.encode(0, "n", 0.0, 1, [(0, idx, np.array([1.0, 2.0, 3.0]))], 1)
+    _, nnz = struct.unpack_from("<II", data, 16 + 1 + 12)
+    # 0; 256 (filler), 300; 556, 812 (fillers), 1000
+    assert nnz == 6
+    p = dgrd.decode(data, ELEMENTS)
+    s = p.sections[0]
+    np.testing.assert_array_equal(s.indices, [0, 256, 300, 556, 812, 1000])
+    np.testing.assert_array_equal(s.values, [1, 0, 2, 0, 0, 3])
+    np.testing.assert_array_equal(np.flatnonzero(dense(p.sections, ELEMENTS)[0]), idx)
+
+
+@pytest.mark.parametrize("first,entries", [(255, 1), (256, 2), (511, 2), (512, 3)])
+def test_mode2_first_index_counts_from_zero(first, entries):
+    data = dgrd.encode(0, "n", 0.0, 1, [(0, [first], [1.0])], 1)
+    assert struct.unpack_from("<II", data, 29)[1] == entries
+    s = dgrd.decode(data, ELEMENTS).sections[0]
+    assert s.indices[-1] == first and s.values[-1] == 1.0
+
+
+def test_mode2_encoder_sorts_and_sums_repeats():
+    data = dgrd.encode(0, "n", 0.0, 1, [(1, [7, 2, 7], [1.0, 0.5, 2.0])], 1)
+    s = dgrd.decode(data, ELEMENTS).sections[0]
+    np.testing.assert_array_equal(s.indices, [2, 7])
+    np.testing.assert_array_equal(s.values, [0.5, 3.0])
+
+
+def test_mode1_repeated_indices_add_up_in_accumulate():
+    data = dgrd.encode(0, "n", 0.0, 1, [(1, [4, 2, 4, 4], [1.0, 5.0, 2.0, 0.25])], 0)
+    p = dgrd.decode(data, ELEMENTS)
+    acc = [np.zeros(n, np.float32) for n in ELEMENTS]
+    dgrd.accumulate(p, acc, weight=2.0)
+    want = np.zeros(10, np.float32)
+    want[4], want[2] = 6.5, 10.0
+    np.testing.assert_array_equal(acc[1], want)
+
+
+def test_mixed_packet_dense_and_sparse():
+    dense3 = np.array([1.0, 2.0, -0.5], np.float32)
+    sections = [(3, None, dense3), (0, [4095, 0], [1.0, 2.0]), (2, [999], [-4.0])]
+    for flags in (0, 1):
+        p = dgrd.decode(dgrd.encode(0, "n", 0.0, 2, sections, flags), ELEMENTS)
+        acc = [np.ones(n, np.float32) for n in ELEMENTS]
+        dgrd.accumulate(p, acc, weight=0.5)
+        np.testing.assert_array_equal(acc[3], 1 + 0.5 * dense3)
+        assert acc[0][4095] == 1.5 and acc[0][0] == 2.0 and acc[0][1:4095].sum() == 4094
+        assert acc[2][999] == -1.0 and np.all(acc[1] == 1)
+
+
+def test_topk_sections():
+    g = [np.array([[0.1, -5.0], [3.0, 0.2]]), np.array([1.0, 2.0])]
+    out = dgrd.topk_sections(g, 0.5)
+    assert out[0][0] == 0 and list(out[0][1]) == [1, 2] and list(out[0][2]) == [-5.0, 3.0]
+    assert out[1][1] is not None and list(out[1][1]) == [1]
+    assert dgrd.topk_sections([np.ones(3)], 1.0)[0][1] is None
+
+
+def test_accepts_memoryview_and_bytearray():
+    data = packet()
+    for buf in (bytearray(data), memoryview(data), memoryview(b"zz" + data)[2:]):
+        assert dgrd.decode(buf, ELEMENTS).sections[0].values.tolist() == [0.5, -1.0]
+
+
+# ---------------------------------------------------------------------------------------------
+# malformed packets: every case in NOTES.md "DGRD packets"
+
+
+def patched(data, offset, fmt, *values):
+    out = bytearray(data)
+    struct.pack_into(fmt, out, offset, *values)
+    return bytes(out)
+
+
+GOOD = packet()  # node_id "node-a": sections start at 16 + 6 + 12 = 34
+SEC = 34
+
+
+@pytest.mark.parametrize("data,message", [
+    (patched(GOOD, 0, "4s", b"DGRX"), "bad magic"),
+    (patched(GOOD, 4, "<H", 2), "version 2"),
+    (patched(GOOD, 6, "<H", 2), "flags 2"),
+    (GOOD[:10], "truncated header"),
+    (GOOD[:30], "truncated header"),
+    (GOOD[:-1], "truncated tensor 1 body"),
+    (GOOD[:SEC + 4], "truncated"),
+    (GOOD + b"\0", "trailing bytes: 1"),
+    (patched(GOOD, 12, "<I", 0), "node_id_len 0"),
+    (patched(GOOD, 12, "<I", 257), "node_id_len 257"),
+    (patched(GOOD, 16, "2s", b"\xff\xfe"), "not valid UTF-8"),
+    (patched(GOOD, SEC, "<I", 4), "tensor 4: unknown tensor id"),
+    (patched(GOOD, SEC + 8, "<I", 10), "tensor 1: index 10 >= 10 elements"),
+    (patched(GOOD, 22 + 4, "<I", 0), "samples == 0"),
+    (patched(GOOD, 22, "<f", float("nan")), "train_loss is not finite"),
+    (patched(GOOD, 22, "<f", float("inf")), "train_loss is not finite"),
+    (patched(GOOD, SEC + 8 + 12, "<f", float("inf")), "tensor 1: value at entry 1 is not finite"),
+    (patched(GOOD, SEC + 8 + 4, "<f", float("nan")), "tensor 1: value at entry 0 is not finite"),
+    (patched(GOOD, 22 + 8, "<I", 1000), "truncated sections"),
+])
+def test_malformed_raises_packet_error_naming_the_problem(data, message):
+    with pytest.raises(PacketError, match=message):
+        dgrd.decode(data, ELEMENTS)
+
+
+def test_duplicate_tensor_id():
+    data = packet(((1, [1], [1.0]), (1, [2], [1.0])))
+    with pytest.raises(PacketError, match="tensor 1: appears twice"):
+        dgrd.decode(data, ELEMENTS)
+
+
+def test_mode2_index_past_end_and_nonfinite_f16():
+    data = dgrd.encode(0, "n", 0.0, 1, [(1, [3, 9], [1.0, 1.0])], 1)
+    off = 29 + 8
+    with pytest.raises(PacketError, match="tensor 1: index 10 >= 10 elements"):
+        dgrd.decode(patched(data, off + 3, "<B", 6), ELEMENTS)  # 3 + 6 + 1 = 10
+    with pytest.raises(PacketError, match="tensor 1: value at entry 1 is not finite"):
+        dgrd.decode(patched(data, off + 4, "<e", float("inf")), ELEMENTS)
+
+
+def test_mode3_truncated_and_nonfinite():
+    data = dgrd.encode(0, "n", 0.0, 1, [(3, None, [1.0, 2.0, 3.0])], 1)
+    with pytest.raises(PacketError, match="truncated tensor 3 dense body"):
+        dgrd.decode(data[:-2], ELEMENTS)
+    with pytest.raises(PacketError, match="tensor 3: value at entry 2 is not finite"):
+        dgrd.decode(patched(data, 29 + 8 + 4, "<e", float("nan")), ELEMENTS)
+
+
+def test_bad_last_section_leaves_accumulators_unchanged():
+    sections = [(3, None, [1.0, 2.0, 3.0]), (0, [1, 2], [1.0, 1.0]), (1, [9], [1.0])]
+    data = dgrd.encode(0, "n", 0.0, 1, sections, 0)
+    bad = patched(data, len(data) - 8, "<I", 10)  # last section's only index -> 10 >= 10
+    acc = [np.zeros(n, np.float32) for n in ELEMENTS]
+    with pytest.raises(PacketError, match="tensor 1: index 10 >= 10 elements"):
+        dgrd.accumulate(dgrd.decode(bad, ELEMENTS), acc)
+    assert all(not a.any() for a in acc)
+    dgrd.accumulate(dgrd.decode(data, ELEMENTS), acc)  # the good one applies
+    assert acc[3].tolist() == [1.0, 2.0, 3.0] and acc[1][9] == 1.0
+
+
+@settings(deadline=None, max_examples=100)
+@given(st.data())
+def test_truncations_and_bit_flips_only_raise_packet_error(data):
+    good = dgrd.encode(3, "n", 1.0, 2, [(0, [5, 700], [1.0, 2.0]), (3, None, [1, 2, 3])],
+                       data.draw(st.sampled_from([0, 1])))
+    cut = data.draw(st.integers(0, len(good) - 1))
+    with pytest.raises(PacketError):
+        dgrd.decode(good[:cut], ELEMENTS)
+    flipped = bytearray(good)
+    pos = data.draw(st.integers(0, len(good) - 1))
+    flipped[pos] ^= 1 << data.draw(st.integers(0, 7))
+    try:
+        dgrd.decode(bytes(flipped), ELEMENTS)
+    except PacketError:
+        pass
+
+
+def test_encoder_refuses_what_decoder_would_reject():
+    with pytest.raises(ValueError, match="node_id"):
+        dgrd.encode(0, "", 0.0, 1, [], 0)
+    with pytest.raises(ValueError, match="samples"):
+        dgrd.encode(0, "n", 0.0, 0, [], 0)
+    with pytest.raises(ValueError, match="float16"):
+        dgrd.encode(0, "n", 0.0, 1, [(0, [1], [1e6])], 1)
+    with pytest.raises(ValueError, match="flags"):
+        dgrd.encode(0, "n", 0.0, 1, [], 2)

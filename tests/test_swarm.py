@@ -1,0 +1,145 @@
+"""Real multi-peer swarms on 127.0.0.1: lockstep training, late joiners, the CLI's lifecycle, checkpoints."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.nodeproc import REPO, TINY_CONFIG, NodeProcess, new_run_id, pid_alive, wait_until
+
+TRAIN_TEXT = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+BATCH = 4  # --local-batch-size of every test node
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "train.txt"
+    path.write_text(TRAIN_TEXT.read_text()[:30_000])
+    return path
+
+
+def _train_args(text_file, peers: int, extra=()):
+    # one update needs every peer's batch: peers stay in lockstep and all-reduce together
+    return ["--model-config", str(TINY_CONFIG), "--train-data", str(text_file),
+            "--local-batch-size", str(BATCH), "--local-seq-len", "32",
+            "--target-batch-size", str(BATCH * peers), *extra]
+
+
+def _start_swarm(n: int, args, run_id: str) -> list[NodeProcess]:
+    nodes = [NodeProcess("A", args, run_id)]
+    maddrs = nodes[0].wait_ready()
+    assert maddrs, nodes[0].output()
+    for name in "BCDE"[: n - 1]:
+        nodes.append(NodeProcess(name, args, run_id, initial_peers=maddrs))
+    for node in nodes[1:]:
+        node.wait_ready()
+    return nodes
+
+
+def _kill_all(nodes):
+    for node in nodes:
+        node.kill()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("peers", [2, 3])
+def test_peers_byte_identical_after_each_epoch(text_file, peers):
+    nodes = _start_swarm(peers, _train_args(text_file, peers), new_run_id())
+    try:
+        target_step = 5
+        wait_until(lambda: all(max(n.digests(), default=0) >= target_step for n in nodes), 180,
+                   f"{peers} nodes to reach step {target_step}", interval_s=0.5)
+        for node in nodes:
+            node.terminate()
+        digests = [n.digests() for n in nodes]
+        common = set.intersection(*(set(d) for d in digests))
+        # every step a node published after joining is one every other node published too, with the same bytes
+        assert {s for s in range(2, target_step + 1)} <= common
+        for step in sorted(common):
+            assert len({d[step] for d in digests}) == 1, f"step {step}: parameters differ across peers"
+    finally:
+        _kill_all(nodes)
+
+
+@pytest.mark.timeout(240)
+def test_late_joiner_catches_up_before_serving(text_file):
+    run_id = new_run_id()
+    args = _train_args(text_file, 2)
+    nodes = _start_swarm(2, args, run_id)
+    try:
+        wait_until(lambda: min(max(n.digests(), default=0) for n in nodes) >= 3, 120, "two epochs")
+        late = NodeProcess("late", ["--model-config", str(TINY_CONFIG)], run_id, initial_peers=nodes[0].wait_ready())
+        nodes.append(late)
+        late.wait_ready()
+        first_step, first_digest = min(late.digests().items())
+        assert first_step >= 3, late.output()[-2000:]
+        # the parameters it serves first are the swarm's parameters of that step, to the byte
+        wait_until(lambda: first_step in nodes[0].digests(), 60, "node A to publish the joiner's step")
+        assert nodes[0].digests()[first_step] == first_digest
+        status = late.status()
+        assert status["step"] >= first_step
+    finally:
+        _kill_all(nodes)
+
+
+@pytest.mark.timeout(120)
+def test_cli_join_report_and_sigterm(tmp_path):
+    run_id = new_run_id()
+    a = NodeProcess("A", ["--model-config", str(TINY_CONFIG)], run_id)
+    nodes = [a]
+    try:
+        maddrs = a.wait_ready()
+        assert maddrs and all("/p2p/12D3" in m for m in maddrs)
+        assert f"dtrain-node --initial-peers {maddrs[0]}" in a.output()
+        b = NodeProcess("B", ["--model-config", str(TINY_CONFIG),
+                              "--identity-path", str(tmp_path / "b.key")], run_id, initial_peers=maddrs)
+        nodes.append(b)
+        b.wait_ready()
+        b_id = b.status()["peer_id"]
+        assert a.status()["peer_id"] != b_id
+        # each sees the other in the swarm's progress records
+        wait_until(lambda: a.status()["peers"] == 2 and b.status()["peers"] == 2, 60, "peers to see each other")
+        children = a.children() + b.children()
+        assert children, "expected p2pd children"
+        for node in nodes:
+            assert node.terminate(timeout_s=15) < 15
+            assert node.proc.returncode == 0, node.output()[-2000:]
+        for pid in children:
+            wait_until(lambda: not pid_alive(pid), 5, f"child {pid} to exit")
+        # a stable identity: the same key file gives the same peer id on restart
+        b2 = NodeProcess("B2", ["--model-config", str(TINY_CONFIG),
+                                "--identity-path", str(tmp_path / "b.key")], new_run_id())
+        nodes.append(b2)
+        b2.wait_ready()
+        assert b2.status()["peer_id"] == b_id
+    finally:
+        _kill_all(nodes)
+
+
+@pytest.mark.timeout(180)
+def test_checkpoint_round_trip(text_file, tmp_path):
+    ckpt_dir = tmp_path / "ckpt"
+    args = _train_args(text_file, 1, ["--checkpoint-dir", str(ckpt_dir), "--checkpoint-every", "2"])
+    node = NodeProcess("A", args, new_run_id())
+    try:
+        node.wait_ready()
+        wait_until(lambda: node.status()["step"] >= 4, 90, "four updates")
+        node.terminate()
+        # the loss history of the last step, as the stopping node logged it
+        logged_losses = [float(x) for x in re.findall(r"update \d+: \d+ samples, loss ([0-9.]+)", node.output())]
+        last_step, last_digest = max(node.digests().items())
+        assert (ckpt_dir / "state.pt").exists() and not (ckpt_dir / "state.pt.tmp").exists()
+        restarted = NodeProcess("A2", ["--model-config", str(TINY_CONFIG), "--checkpoint-dir", str(ckpt_dir)],
+                                new_run_id())
+        try:
+            restarted.wait_ready()
+            status = restarted.status()
+            assert status["step"] == last_step
+            assert status["params_sha256"] == last_digest
+            losses = restarted.get_json("/api/v1/server/losses")
+            assert len(losses) == last_step - 1 == len(logged_losses)
+            assert [round(x, 4) for x in losses] == logged_losses
+        finally:
+            restarted.kill()
+    finally:
+        node.kill()
