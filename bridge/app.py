@@ -7,6 +7,7 @@ from typing import Optional
 from aiohttp import web
 
 from bridge import dgrd, http, training_routes
+from bridge.http import ApiError
 from bridge.keys import CONFIG, DATASET, NODE, STATE, TOKENIZER, BridgeState
 from node.config import NodeConfig
 from node.data import TokenDataset
@@ -40,7 +41,21 @@ def _add_pages(app: web.Application, static_dir: Path) -> None:
     for route, name in pages.items():
         if (static_dir / name).exists():
             app.router.add_get(route, _file_handler(static_dir / name))
-    app.router.add_static("/static/", static_dir, show_index=False, follow_symlinks=False)
+    app.router.add_get("/static/{name:.+}", _static_handler(static_dir))
+
+
+def _static_handler(static_dir: Path):
+    # Not app.router.add_static: for a missing file its FileResponse answers 404 with no body and no
+    # Content-Length, i.e. chunked, which the spec forbids; here a missing file is a JSON 404 like any other.
+    root = static_dir.resolve()
+
+    async def handler(request: web.Request) -> web.FileResponse:
+        name = request.match_info["name"]
+        path = (root / name).resolve()  # symlinks resolved: nothing outside static_dir is served
+        if root not in path.parents or not path.is_file():
+            raise ApiError(404, f"no static file {name!r}")
+        return web.FileResponse(path)
+    return handler
 
 
 def _file_handler(path: Path):

@@ -49,6 +49,7 @@ class ContributeConfig:
     node_id: str = ""  # contributor id in packets; empty picks a random one
     timeout_s: float = 60.0  # bound on one HTTP request
     seed: int = 0  # for batches drawn from a local file
+    wait_update_s: float = 0.0  # after an accepted packet, wait up to this long for the step to move; 0: don't
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -70,7 +71,7 @@ class Contributor:
         self.model_config: Optional[ModelConfig] = None
         self.step = 0  # the step of the parameters the local model holds
         self.residual: list[np.ndarray] = []  # error feedback: what top-k left out, per tensor
-        self._next_residual: list[np.ndarray] = []  # becomes `residual` once the packet is accepted
+        self.pending_residual: list[np.ndarray] = []  # the last packet's residual: kept once it is accepted
         self._dataset = None
         self._rng = np.random.default_rng(config.seed)
         if config.data_path:
@@ -160,7 +161,7 @@ class Contributor:
         """A DGRD packet of the mode asked for; the part not sent waits in the residual for next round."""
         mode = self.config.mode
         if mode == "dense":
-            self._next_residual = self.residual
+            self.pending_residual = self.residual
             sections = [(tid, None, g) for tid, g in enumerate(grads)]
             return dgrd.encode(step, self.node_id, loss, samples, sections, flags=dgrd.FLAGS_MODE1)
         corrected = [g + r for g, r in zip(grads, self.residual)]
@@ -174,7 +175,7 @@ class Contributor:
                 residual[tid] -= sent
             else:
                 residual[tid][idx] -= sent
-        self._next_residual = residual
+        self.pending_residual = residual
         flags = dgrd.FLAGS_MODE2 if mode == "compressed" else dgrd.FLAGS_MODE1
         return dgrd.encode(step, self.node_id, loss, samples, sections, flags=flags)
 
@@ -186,10 +187,18 @@ class Contributor:
         except ValueError:
             raise ContributeError(f"submit: {status} with a body that is not JSON: {data[:200]!r}") from None
         if status == 200:
-            self.residual = self._next_residual
+            self.residual = self.pending_residual
         elif status != 409:
             raise ContributeError(f"submit: {status} {answer.get('message')}")
         return {**answer, "status": status}
+
+    def _wait_for_update(self) -> None:
+        """Bounded wait for the node to apply what it has (the next round is then computed on fresh parameters)."""
+        deadline = time.monotonic() + self.config.wait_update_s
+        while time.monotonic() < deadline:
+            if self._get_json("/api/v1/model/info")["step"] != self.step:
+                return
+            time.sleep(0.05)
 
     def run(self, steps: int) -> dict:
         """`steps` rounds; returns counts of accepted and conflicting submissions, bytes and losses."""
@@ -213,6 +222,7 @@ class Contributor:
                 self.fetch_model()
             else:
                 summary["accepted"] += 1
+                self._wait_for_update()
         return summary
 
 
@@ -229,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10, help="rounds to run (default 10)")
     p.add_argument("--node-id", default="", help="contributor id (default random)")
     p.add_argument("--timeout", type=float, default=60.0, help="bound on one HTTP request, seconds")
+    p.add_argument("--wait-update", type=float, default=0.0,
+                   help="after an accepted packet, wait up to this many seconds for the node to update (default 0)")
     return p
 
 
@@ -237,7 +249,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     try:
         config = ContributeConfig(node_url=args.node, data_path=args.data, fmt=args.format, topk=args.topk,
                                   mode=args.mode, batch_size=args.batch_size, seq_len=args.seq_len,
-                                  node_id=args.node_id, timeout_s=args.timeout)
+                                  node_id=args.node_id, timeout_s=args.timeout,
+                                  wait_update_s=args.wait_update)
     except ValueError as e:
         print(f"dtrain-contribute: {e}", file=sys.stderr)
         sys.exit(2)

@@ -18,6 +18,7 @@ import base64
 import binascii
 import json
 import logging
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -27,7 +28,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from bridge.http import ApiError, read_body
 from node.split import service as split_service
-from node.split.engine import ForwardResult, SplitError
+from node.split.engine import ForwardResult
 from node.split.service import SplitService
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,28 @@ TOKENIZE_MAX_CHARS = 1_000_000  # longest text one `tokenize` accepts
 
 class RequestError(ValueError):
     """A split request is malformed; the message says which field and why."""
+
+
+def error_code(e: Exception) -> str:
+    """A stable machine-readable name for an error: StaleSessionError -> "stale_session"."""
+    name = type(e).__name__.removesuffix("Error") or "error"
+    name = re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1_\2", name)  # HEUnavailable -> HE_Unavailable
+    return re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower()
+
+
+def error_message(e: Exception) -> dict:
+    return {"type": "error", "message": str(e), "code": error_code(e)}
+
+
+class SplitApiError(ApiError):
+    """A 400 answer that also carries the error's code (clients restart stale sessions on it)."""
+
+    def __init__(self, cause: Exception):
+        super().__init__(400, str(cause))
+        self.code = error_code(cause)
+
+    def response(self) -> web.Response:
+        return web.json_response({"ok": False, "message": self.message, "code": self.code}, status=self.status)
 
 
 @dataclass
@@ -226,13 +249,11 @@ async def _answer(state: SplitState, msg, limit: int) -> dict:
             raise RequestError(f"message of {len(msg.data)} characters exceeds the node's limit of {limit} bytes")
         payload = parse_json(msg.data)
         answer = await handle_message(state, payload)
-    except SplitError as e:  # RequestError and the engine's typed errors are both ValueErrors
-        answer = {"type": "error", "message": str(e)}
-    except ValueError as e:
-        answer = {"type": "error", "message": str(e)}
+    except ValueError as e:  # RequestError and every SplitError (the engine's typed errors)
+        answer = error_message(e)
     except Exception as e:  # a bug of ours: log it, keep the socket
         logger.exception("split message failed: %s", e)
-        answer = {"type": "error", "message": "internal error"}
+        answer = {"type": "error", "message": "internal error", "code": "internal"}
     if "id" in payload:  # optional request id, echoed so clients may match answers
         answer["id"] = payload["id"]
     return answer
@@ -250,7 +271,7 @@ async def _http(request: web.Request, kind: str) -> web.Response:
             raise RequestError(f"this route takes {kind!r} messages, got type {payload.get('type')!r}")
         answer = await handle_message(state, payload, default_type=kind)
     except ValueError as e:  # RequestError and every SplitError
-        raise ApiError(400, str(e)) from None
+        raise SplitApiError(e) from None
     return web.json_response(answer)
 
 

@@ -41,6 +41,7 @@ _NODE_FLAGS = {
     "train_data": "train_data",
     "local_batch_size": "local_batch_size",
     "local_seq_len": "local_seq_len",
+    "local_samples_per_update": "local_samples_per_update",
     "log_level": "log_level",
 }
 # SplitConfig fields live in NodeConfig.split
@@ -84,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-data", help="local text file: the node trains on it and hands out batches")
     g.add_argument("--local-batch-size", type=int, help="sequences per local training step (default 8)")
     g.add_argument("--local-seq-len", type=int, help="tokens per sequence (default 64)")
+    g.add_argument("--local-samples-per-update", type=int,
+                   help="own-data samples per update, then wait for the swarm (default 0: no cap)")
     g.add_argument("--log-level", help="DEBUG, INFO, WARNING (default INFO)")
     g = p.add_argument_group("split inference")
     g.add_argument("--split-max-sessions", type=int, help="KV-cached split sessions kept at once (default 32)")

@@ -127,6 +127,7 @@ class NodeConfig:
     train_data: Optional[str] = None  # local text file the node trains on itself and hands out as batches
     local_batch_size: int = 8  # sequences per local training step
     local_seq_len: int = 64  # tokens per sequence of local training and handed-out batches
+    local_samples_per_update: int = 0  # cap on own-data samples per update (0: none); then wait for the swarm
     log_level: str = "INFO"
     split: SplitConfig = field(default_factory=SplitConfig)  # split-inference options
 

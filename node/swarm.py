@@ -38,13 +38,23 @@ def visible_maddrs(dht: hivemind.DHT) -> list[str]:
 
 
 def make_local_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(
+    optimizer = torch.optim.AdamW(
         model.parameters(),
         lr=train.learning_rate,
         betas=(train.beta1, train.beta2),
         eps=train.eps,
         weight_decay=train.weight_decay,
     )
+    # Give AdamW its (empty) state now. hivemind otherwise creates it with a zero-gradient optimizer step, which
+    # applies weight decay to the seeded weights and starts Adam's bias correction one step late.
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            optimizer.state[p] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
+    return optimizer
 
 
 def make_swarm_optimizer(
@@ -63,6 +73,7 @@ def make_swarm_optimizer(
         averaging_timeout=swarm.averaging_timeout_s,
         load_state_timeout=swarm.load_state_timeout_s,
         delay_state_averaging=False,
+        reuse_grad_buffers=True,  # the node writes the exact samples-weighted gradient into .grad itself
         average_state_every=1,
         average_opt_statistics=("exp_avg", "exp_avg_sq"),
         averager_opts=dict(request_timeout=swarm.request_timeout_s),
@@ -77,10 +88,15 @@ def wait_for_swarm_progress(optimizer: hivemind.Optimizer, timeout_s: float) -> 
 
 
 def shutdown(optimizer: Optional[hivemind.Optimizer], dht: Optional[hivemind.DHT]) -> None:
-    if optimizer is not None:
-        optimizer.shutdown()
-    if dht is not None:
-        dht.shutdown()  # also stops the p2pd child process
+    """Idempotent: the training thread and a stopping main thread may both call it."""
+    for part in (optimizer, dht):  # the DHT last: its shutdown also stops the p2pd child process
+        if part is None or getattr(part, "_dtrain_shut_down", False):
+            continue
+        part._dtrain_shut_down = True
+        try:
+            part.shutdown()
+        except Exception as e:
+            logger.warning(f"Shutting down {type(part).__name__} failed: {e!r}")
 
 
 # ---- who is in the swarm: every node announces itself, idle or not (hivemind's progress records list only

@@ -135,10 +135,19 @@ class TrainingNode:
             raise
         self._thread.start()
 
-    def stop(self, timeout_s: float = 60.0) -> None:
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stop training; the thread saves a checkpoint and leaves the swarm.
+
+        An all-reduce in flight can take up to averaging_timeout; past `grace_s` the swarm connection is shut
+        down under it (the checkpoint from the last completed interval stands) so the process exits promptly.
+        """
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(timeout_s)
+            self._thread.join(grace_s)
+        if self._thread.is_alive():
+            logger.warning("An update is still in flight; leaving the swarm without waiting for it")
+            swarm.shutdown(self.optimizer, self.dht)
+            self._thread.join(5.0)
 
     def add_snapshot_listener(self, callback: Callable[[Snapshot], None]) -> None:
         """Called on the training thread after every new snapshot (split inference reloads its weights)."""
@@ -251,6 +260,8 @@ class TrainingNode:
     def _reset_epoch_accumulator(self) -> None:
         self._epoch_sums = [torch.zeros(t.elements) for t in self.tensors]
         self._epoch_samples = 0
+        self._epoch_calls = 0  # Optimizer.step calls this epoch
+        self._epoch_local_samples = 0  # samples of this node's own data this epoch
         self._epoch_loss_sum = 0.0
 
     def _publish(self) -> None:
@@ -276,12 +287,16 @@ class TrainingNode:
                 self._stop.wait(POLL_S)
 
     def _iteration(self, rng: np.random.Generator) -> bool:
-        worked = self._drain_hand_overs()
-        if self.dataset is not None:
+        worked = False
+        while (hand_over := self._next_hand_over()) is not None:
+            self._accumulate(hand_over.sums, hand_over.samples, hand_over.loss_sum)
+            self._step(hand_over.samples)
+            worked = True
+        if self.dataset is not None and self._wants_local_batch():
             self._local_batch(rng)
             worked = True
-        self.optimizer.tracker.report_local_progress(self.optimizer.local_epoch, self._epoch_samples)
-        self._maybe_update()
+        if not worked:
+            self._idle()
         self._num_peers = max(1, self.optimizer.tracker.global_progress.num_peers)
         if time.monotonic() - self._last_announce >= ANNOUNCE_EVERY_S:
             self._announce()
@@ -294,53 +309,69 @@ class TrainingNode:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
-    def _drain_hand_overs(self) -> bool:
-        worked = False
-        while True:
-            try:
-                hand_over = self._queue.get_nowait()
-            except queue.Empty:
-                return worked
-            for acc, part in zip(self._epoch_sums, hand_over.sums):
-                acc.add_(torch.from_numpy(part))
-            self._epoch_samples += hand_over.samples
-            self._epoch_loss_sum += hand_over.loss_sum
-            worked = True
+    def _wants_local_batch(self) -> bool:
+        limit = self.config.local_samples_per_update
+        return limit <= 0 or self._epoch_local_samples < limit
+
+    def _next_hand_over(self) -> Optional[_HandOver]:
+        try:
+            return self._queue.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _accumulate(self, sums, samples: int, loss_sum: float) -> None:
+        for acc, part in zip(self._epoch_sums, sums):
+            acc.add_(torch.as_tensor(part).reshape(-1))
+        self._epoch_samples += samples
+        self._epoch_loss_sum += loss_sum
 
     def _local_batch(self, rng: np.random.Generator) -> None:
         cfg = self.config
         seq_len = min(cfg.local_seq_len, self.model_config.max_seq_len)
         tokens = torch.from_numpy(self.dataset.batch(cfg.local_batch_size, seq_len, rng).astype(np.int64))
-        self.model.zero_grad(set_to_none=True)
         loss = self.model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
+        # autograd.grad, not backward(): the .grad buffers belong to hivemind (reuse_grad_buffers)
+        grads = torch.autograd.grad(loss, list(self.model.parameters()))
         batch = tokens.shape[0]
-        with torch.no_grad():
-            for acc, p in zip(self._epoch_sums, self.model.parameters()):
-                acc.add_(p.grad.reshape(-1), alpha=batch)
-        self._epoch_samples += batch
-        self._epoch_loss_sum += batch * loss.item()
+        self._epoch_local_samples += batch
+        self._accumulate([g.detach() * batch for g in grads], batch, batch * loss.item())
+        self._step(batch)
 
-    def _maybe_update(self) -> None:
+    def _step(self, batch_size: int) -> None:
+        """One hivemind Optimizer.step for `batch_size` new samples (0 when idle with pending samples).
+
+        hivemind divides its .grad buffers by the number of step() calls of the epoch when it averages, and
+        weighs this peer by the samples it reported. Writing sum(S_i g_i) * calls / samples into the buffers
+        before each call makes the gradient it averages exactly the samples-weighted mean.
+        """
         opt = self.optimizer
-        if self._epoch_samples > 0 and opt.tracker.ready_to_update_epoch:
-            samples = self._epoch_samples
-            mean_loss = self._epoch_loss_sum / samples
-            with torch.no_grad():
-                for p, acc in zip(self.model.parameters(), self._epoch_sums):
-                    p.grad = (acc / samples).view_as(p)
-            opt.step(batch_size=samples)
-            self.model.zero_grad(set_to_none=True)
-            if opt.local_epoch > self._epoch:
-                with self._lock:
-                    self._losses.append(mean_loss)
-                logger.info(f"update {opt.local_epoch}: {samples} samples, loss {mean_loss:.4f}")
-        elif opt.tracker.global_epoch > opt.local_epoch + (0 if self._epoch_samples == 0 else 1):
-            # the swarm moved on without us: take its state instead of applying stale gradients
+        self._epoch_calls += 1
+        scale = self._epoch_calls / self._epoch_samples
+        with torch.no_grad():
+            for p, acc in zip(self.model.parameters(), self._epoch_sums):
+                p.grad.copy_(acc.view_as(p)).mul_(scale)
+        samples, mean_loss = self._epoch_samples, self._epoch_loss_sum / self._epoch_samples
+        epoch_before = opt.local_epoch
+        opt.step(batch_size=batch_size)
+        if opt.local_epoch == epoch_before + 1:  # an update (a catch-up from peers jumps or keeps the epoch)
+            with self._lock:
+                self._losses.append(mean_loss)
+            logger.info(f"update {opt.local_epoch}: {samples} samples, loss {mean_loss:.4f}")
+        self._after_step()
+
+    def _idle(self) -> None:
+        opt = self.optimizer
+        if self._epoch_samples > 0:
+            self._step(0)  # lets hivemind schedule and run the update the swarm is gathering samples for
+        elif opt.tracker.global_epoch > opt.local_epoch:
+            # the swarm moved on without us: take its state
             logger.info(f"Behind the swarm (epoch {opt.local_epoch} < {opt.tracker.global_epoch}); loading state")
             opt.load_state_from_peers()
-        if opt.local_epoch != self._epoch:
-            self._epoch = opt.local_epoch
+            self._after_step()
+
+    def _after_step(self) -> None:
+        if self.optimizer.local_epoch != self._epoch:
+            self._epoch = self.optimizer.local_epoch
             self._reset_epoch_accumulator()
             self._publish()
 

@@ -42,6 +42,7 @@ class ModelFacts:
     max_seq_len: int  # positions one session may hold
     embedding_tensor_id: Optional[int]  # manifest id of wte for the shared model; None for a split_model
     tied_lm_head: bool  # logits are pre_activations @ embedding^T
+    eos_token_id: Optional[int] = None  # end-of-text token, for clients that stop on it
 
 
 class SplitService:
@@ -88,6 +89,7 @@ class SplitService:
             "embedding_tensor_id": facts.embedding_tensor_id,
             "embedding_url": embedding_url,  # add ?format=f16 or f32
             "tied_lm_head": facts.tied_lm_head,
+            "eos_token_id": facts.eos_token_id,
             "lm_head_url": embedding_url if facts.tied_lm_head else "/api/v1/split/lm_head",
             "experts": self.expert_names(),
             "he": {
@@ -209,6 +211,7 @@ def for_node(node, config: SplitConfig, tokenizer: Any = None) -> SplitService:
         max_seq_len=engine.max_seq_len,
         embedding_tensor_id=embedding_tensor_id(model),
         tied_lm_head=True,
+        eos_token_id=model.config.eos_token_id,
     )
     logger.info("split inference on the shared model %s (step %d, dp sigma %.4f, experts %s, HE %s)",
                 facts.name, engine.weights_step, config.dp.sigma, experts.names(), he is not None)
@@ -247,6 +250,7 @@ def from_pretrained(path: str | Path, config: SplitConfig, fallback_tokenizer: A
         max_seq_len=engine.max_seq_len,
         embedding_tensor_id=None,
         tied_lm_head=bool(tied),
+        eos_token_id=hf.eos_token_id if isinstance(hf.eos_token_id, int) else None,
     )
     logger.info("split inference on %s (%s, frozen)", path, type(model).__name__)
     return SplitService(engine, facts, config, experts, he, embedding=embedding, lm_head=None if tied else lm_head,
