@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--announce-maddrs", nargs="+", help="multiaddrs to advertise to peers")
     g.add_argument("--identity-path", help="libp2p private key file for a stable peer id (created if missing)")
     g.add_argument("--run-id", help="swarm name; peers with the same run id train together (default dtrain)")
-    g.add_argument("--target-batch-size", type=int, help="samples the swarm gathers per update (default 64)")
+    g.add_argument("--target-batch-size", type=int, help="samples the swarm gathers per update (default 1: each bridge hand-over is an update)")
     g.add_argument("--matchmaking-time", type=float, help="seconds to gather an averaging group (default 5)")
     g.add_argument("--averaging-timeout", type=float, help="bound on one all-reduce, seconds (default 30)")
     g.add_argument("--request-timeout", type=float, help="bound on one averaging RPC, seconds (default 3)")

@@ -96,7 +96,7 @@ class SwarmConfig:
     announce_maddrs: Sequence[str] = ()  # addresses to advertise instead of the listening ones
     identity_path: Optional[str] = None  # libp2p private key file: a stable peer id across restarts
     run_id: str = "dtrain"  # swarm name: peers with the same run_id train together
-    target_batch_size: int = 64  # samples the swarm gathers per optimizer update
+    target_batch_size: int = 1  # samples the swarm gathers per update; 1: every hand-over is one update (the spec's single server)
     matchmaking_time_s: float = 5.0  # how long averaging waits to gather a group (must exceed request_timeout_s)
     averaging_timeout_s: float = 30.0  # bound on one all-reduce round
     request_timeout_s: float = 3.0  # bound on one averaging RPC

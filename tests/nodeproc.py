@@ -46,7 +46,7 @@ class NodeProcess:
         self.port = free_port()
         cmd = [sys.executable, "-m", "node.cli", "--host", "127.0.0.1", "--port", str(self.port),
                "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-id", run_id,
-               "--matchmaking-time", "2.5", "--request-timeout", "1.0", "--averaging-timeout", "20"]
+               "--matchmaking-time", "2.5", "--request-timeout", "1.0", "--averaging-timeout", "8"]
         if initial_peers:
             cmd += ["--initial-peers", *initial_peers]
         cmd += list(args)

@@ -1,0 +1,65 @@
+"""Configuration: files and flags map onto the dataclasses; bad values are clear errors."""
+import json
+
+import pytest
+
+from node.cli import parse_config
+from node.config import ConfigError, ModelConfig, SwarmConfig, TrainConfig
+from node.model import build_model, embedding_tensor_id, tensor_infos
+from tests.nodeproc import REPO, TINY_CONFIG
+
+
+def test_static_configs_load():
+    model = ModelConfig.load(REPO / "static" / "model_config.json")
+    train = TrainConfig.load(REPO / "static" / "train_config.json")
+    assert model.vocab_size == 50257 and model.d_model % model.n_heads == 0
+    assert set(train.api_dict()) == {"learning_rate", "beta1", "beta2", "eps", "weight_decay", "min_nodes_for_update"}
+
+
+def test_default_model_is_browser_sized():
+    model = build_model(ModelConfig.load(REPO / "static" / "model_config.json"))
+    assert sum(p.numel() for p in model.parameters()) <= 20_000_000
+
+
+def test_seeded_model_is_identical_and_tied_weight_listed_once():
+    config = ModelConfig.load(TINY_CONFIG)
+    a, b = build_model(config), build_model(config)
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert pa.detach().numpy().tobytes() == pb.detach().numpy().tobytes(), name
+    infos = tensor_infos(a)
+    names = [t.name for t in infos]
+    assert len(names) == len(set(names)) and "lm_head.weight" not in names
+    assert infos[embedding_tensor_id(a)].shape == (config.vocab_size, config.d_model)
+    assert [t.id for t in infos] == list(range(len(infos)))
+
+
+def test_bad_model_config_names_the_field(tmp_path):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({"d_model": 30, "n_heads": 4}))
+    with pytest.raises(ConfigError, match="not divisible"):
+        ModelConfig.load(path)
+    path.write_text(json.dumps({"d_modle": 32}))
+    with pytest.raises(ConfigError, match="unknown field"):
+        ModelConfig.load(path)
+
+
+def test_matchmaking_must_exceed_request_timeout():
+    with pytest.raises(ConfigError, match="must exceed request_timeout"):
+        SwarmConfig(matchmaking_time_s=3.0, request_timeout_s=3.0)
+
+
+def test_flags_override_yaml_file(tmp_path):
+    path = tmp_path / "node.yaml"
+    path.write_text("port: 9000\ntarget-batch-size: 32\ninitial-peers: /ip4/1.2.3.4/tcp/5/p2p/X\nrun-id: demo\n")
+    config = parse_config(["--config", str(path), "--port", "9100"])
+    assert config.port == 9100
+    assert config.swarm.target_batch_size == 32
+    assert config.swarm.initial_peers == ("/ip4/1.2.3.4/tcp/5/p2p/X",)
+    assert config.swarm.run_id == "demo"
+
+
+def test_unknown_yaml_option_is_refused(tmp_path):
+    path = tmp_path / "node.yaml"
+    path.write_text("prot: 9000\n")
+    with pytest.raises(ConfigError, match="unknown option"):
+        parse_config(["--config", str(path)])
