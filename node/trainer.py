@@ -267,7 +267,8 @@ class TrainingNode:
     def _publish(self) -> None:
         snap = _publish(self.model, self.optimizer.local_epoch)
         self._snapshot = snap
-        logger.info(f"step {snap.step} params sha256 {snap.digest}")
+        norm = float(np.sqrt(sum(np.dot(a.astype(np.float64), a) for a in snap.f32)))
+        logger.info(f"step {snap.step} params sha256 {snap.digest} l2 {norm:.12e}")
         for callback in self._snapshot_listeners:
             try:
                 callback(snap)

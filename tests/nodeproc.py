@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 REPO = Path(__file__).resolve().parent.parent
 TINY_CONFIG = REPO / "configs" / "tiny.json"
 DIGEST_RE = re.compile(r"step (\d+) params sha256 ([0-9a-f]{64})")
+NORM_RE = re.compile(r"step (\d+) params sha256 [0-9a-f]{64} l2 (\S+)")
 MADDR_RE = re.compile(r"^\s+(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\S+)\s*$")
 
 
@@ -86,6 +87,10 @@ class NodeProcess:
     def digests(self) -> dict[int, str]:
         """step -> params sha256, from the node's log of every published snapshot."""
         return {int(m.group(1)): m.group(2) for m in DIGEST_RE.finditer(self.output())}
+
+    def norms(self) -> dict[int, float]:
+        """step -> L2 norm of all parameters, from the same log lines."""
+        return {int(m.group(1)): float(m.group(2)) for m in NORM_RE.finditer(self.output())}
 
     def status(self) -> dict:
         return self.get_json("/api/v1/swarm/status")
