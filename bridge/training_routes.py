@@ -5,7 +5,6 @@ import asyncio
 import dataclasses
 import json
 
-import numpy as np
 from aiohttp import web
 
 from bridge import dgrd

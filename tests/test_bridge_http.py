@@ -218,7 +218,7 @@ def test_tensor_slices(node, manifest, query, offset, count):
     offset = n if offset == "END" else offset
     count = n - offset if count is None else count
     query = query.replace("END", str(n))
-    full = request(node, "GET", f"/api/v1/model/tensor/0?format=f32")
+    full = request(node, "GET", "/api/v1/model/tensor/0?format=f32")
     for fmt, size in (("f32", 4), ("f16", 2)):
         a = request(node, "GET", f"/api/v1/model/tensor/0?format={fmt}&{query}")
         assert a.status == 200

@@ -11,7 +11,6 @@ import asyncio
 import base64
 import contextlib
 import json
-import time
 import urllib.error
 import urllib.request
 
