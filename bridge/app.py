@@ -6,7 +6,7 @@ from typing import Optional
 
 from aiohttp import web
 
-from bridge import dgrd, http, training_routes
+from bridge import dgrd, http, split_routes, training_routes
 from bridge.http import ApiError
 from bridge.keys import CONFIG, DATASET, NODE, STATE, TOKENIZER, BridgeState
 from node.config import NodeConfig
@@ -23,17 +23,9 @@ def create_app(node: TrainingNode, config: NodeConfig, tokenizer=None,
     app[STATE] = BridgeState(tensor_elements=tensor_elements, max_packet_bytes=max_packet)
     http.install(app)
     training_routes.add_routes(app)
-    _add_split_routes(app, node, config, tokenizer)
+    split_routes.setup(app, node, config, tokenizer)
     _add_pages(app, Path(config.static_dir))
     return app
-
-
-def _add_split_routes(app: web.Application, node, config, tokenizer) -> None:
-    try:
-        from bridge import split_routes
-    except ImportError:  # split inference not built into this checkout
-        return
-    split_routes.setup(app, node, config, tokenizer)
 
 
 def _add_pages(app: web.Application, static_dir: Path) -> None:
