@@ -313,7 +313,11 @@ def test_stale_session_is_refused_after_a_step(training_node, wte):
                 stale = await ws.receive_json(timeout=60)
                 await ws.send_json({"type": "ping"})
                 pong = await ws.receive_json(timeout=60)
-                # the whole sequence again restarts the session on the new weights
+                # the whole sequence again restarts the session on the new weights (once the split engine has
+                # loaded them: it reloads on the training thread right after the node publishes a step)
+                moved = node.get_json("/api/v1/model/info")["step"]
+                await asyncio.to_thread(wait_until, lambda: node.get_json("/api/v1/split/config")["step"] >= moved,
+                                        60, "the split engine to load the new step", 0.2)
                 await ws.send_json(forward_msg(hidden, session_id="old"))
                 again = await ws.receive_json(timeout=60)
                 return first, stale, pong, again
