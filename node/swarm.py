@@ -1,8 +1,9 @@
 """Joining the hivemind swarm: the DHT and the collaborative optimizer around the model's AdamW."""
 from __future__ import annotations
 
+import hashlib
 import os
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import hivemind
 import torch
@@ -57,6 +58,55 @@ def make_local_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.op
     return optimizer
 
 
+class SwarmOptimizer(hivemind.Optimizer):
+    """hivemind.Optimizer that applies this peer's exact gradient whenever the swarm's average is unavailable,
+    and that lets peers which just updated be preferred as the source of state downloads.
+
+    hivemind 1.1.12 resets its gradient accumulators when a gradient all-reduce begins. When that round then
+    fails (a peer times out), its fallback "proceeding with local gradients" reloads the zeroed accumulators, so
+    the update is weight decay alone and the samples are lost. With no other peer it applies the accumulators
+    without dividing them by the number of step() calls. The node keeps its own exact epoch gradient and hands it
+    in through `local_gradients`.
+    """
+
+    local_gradients: Optional[Callable[[], Sequence[torch.Tensor]]] = None
+    update_priority: float = 0.0  # added to the epoch as this peer's state-sharing priority after an update
+
+    def _load_exact_local_gradients(self) -> bool:
+        if self.local_gradients is None:
+            return False
+        params = [p for group in self.state_averager.optimizer.param_groups for p in group["params"]]
+        with torch.no_grad():
+            for param, grad in zip(params, self.local_gradients()):
+                param.grad.copy_(grad.view_as(param))
+        return True
+
+    def _load_local_gradients_into_optimizer(self):
+        if self._load_exact_local_gradients():
+            logger.info("Gradient averaging failed: this update uses this peer's own gradient")
+            self.grad_averager.notify_used_averaged_gradients()
+        else:
+            super()._load_local_gradients_into_optimizer()
+
+    def _begin_averaging_gradients(self, grad_scaler) -> bool:
+        began = super()._begin_averaging_gradients(grad_scaler)
+        if not began:
+            # hivemind goes on with whatever is in .grad (the raw accumulators): put the exact gradient there
+            self._load_exact_local_gradients()
+        return began
+
+    def _update_global_epoch(self, grad_scaler) -> None:
+        super()._update_global_epoch(grad_scaler)
+        if not self.client_mode:
+            self.state_averager.state_sharing_priority = self.local_epoch + self.update_priority
+
+
+def update_priority(peer_id: str) -> float:
+    """A peer's state-sharing priority bonus after an update, in [0.5, 1): above every peer that only caught up
+    (hivemind gives those their epoch), and distinct per peer so that one peer of each epoch is the reference."""
+    return 0.5 + 0.49 * int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") / 2 ** 32
+
+
 def make_swarm_optimizer(
     dht: hivemind.DHT, local_optimizer: torch.optim.Optimizer, swarm: SwarmConfig, verbose: bool = False
 ) -> hivemind.Optimizer:
@@ -64,7 +114,7 @@ def make_swarm_optimizer(
 
     delay_state_averaging=False keeps state averaging inside the update, so peers are byte-identical after it.
     """
-    return hivemind.Optimizer(
+    return SwarmOptimizer(
         dht=dht,
         run_id=swarm.run_id,
         target_batch_size=swarm.target_batch_size,
@@ -109,25 +159,52 @@ def _nodes_key(run_id: str) -> str:
     return f"dtrain_{run_id}_nodes"
 
 
+def _digests_key(run_id: str, epoch: int) -> str:
+    return f"dtrain_{run_id}_digests_{epoch}"
+
+
 def announce(dht: hivemind.DHT, run_id: str, peer_id: str, info: dict, timeout_s: float = 5.0) -> bool:
-    now = get_dht_time()
-    future = dht.store(_nodes_key(run_id), dict(info, time=now), now + NODES_TTL_S, subkey=peer_id,
-                       return_future=True)
+    return _store_record(dht, _nodes_key(run_id), peer_id, dict(info, time=get_dht_time()), timeout_s)
+
+
+def _store_record(dht: hivemind.DHT, key: str, subkey: str, value: dict, timeout_s: float) -> bool:
+    """Store one peer's record under a DHT dictionary entry for NODES_TTL_S; False (logged) when it fails."""
+    future = dht.store(key, value, get_dht_time() + NODES_TTL_S, subkey=subkey, return_future=True)
     try:
         return bool(future.result(timeout_s))
     except Exception as e:
-        logger.warning(f"Announcing this node failed: {e!r}")
+        logger.warning(f"Storing {key} in the DHT failed: {e!r}")
         return False
 
 
 def list_nodes(dht: hivemind.DHT, run_id: str, timeout_s: float = 5.0) -> dict[str, dict]:
     """peer id -> the info it announced, for every node seen in the last NODES_TTL_S."""
-    future = dht.get(_nodes_key(run_id), latest=True, return_future=True)
+    return _read_records(dht, _nodes_key(run_id), timeout_s)
+
+
+def _read_records(dht: hivemind.DHT, key: str, timeout_s: float) -> dict[str, dict]:
+    """subkey -> dict value of a DHT dictionary entry; {} when it is missing or the lookup fails (logged)."""
+    future = dht.get(key, latest=True, return_future=True)
     try:
         found = future.result(timeout_s)
     except Exception as e:
-        logger.warning(f"Listing swarm nodes failed: {e!r}")
+        logger.warning(f"Reading {key} from the DHT failed: {e!r}")
         return {}
     if found is None or not isinstance(found.value, dict):
         return {}
     return {str(k): v.value for k, v in found.value.items() if isinstance(v.value, dict)}
+
+
+# ---- what each peer's parameters are after each update: peers that updated together compare before they serve
+# the new step, and a joiner checks which epoch the state it downloaded belongs to --------------------------------
+
+def publish_digest(dht: hivemind.DHT, run_id: str, epoch: int, peer_id: str, digest: str, priority: float,
+                   timeout_s: float = 5.0) -> bool:
+    record = dict(digest=digest, priority=priority)
+    return _store_record(dht, _digests_key(run_id, epoch), peer_id, record, timeout_s)
+
+
+def list_digests(dht: hivemind.DHT, run_id: str, epoch: int, timeout_s: float = 5.0) -> dict[str, dict]:
+    """peer id -> {digest, priority} for every peer that published its parameters after update `epoch`."""
+    records = _read_records(dht, _digests_key(run_id, epoch), timeout_s)
+    return {peer: r for peer, r in records.items() if {"digest", "priority"} <= r.keys()}

@@ -37,6 +37,8 @@ logger = get_logger(__name__)
 LATE_WINDOW_STEPS = 5  # packets for [step - 5, step] are accepted (Training API v1, "Late Submissions")
 POLL_S = 0.25  # how often an idle training thread looks at the swarm's progress
 ANNOUNCE_EVERY_S = 3.0  # how often the node refreshes its record in the swarm's node list
+RECONCILE_WAIT_S = 5.0  # how long a peer waits for the digests of the peers it updated with
+RECONCILE_ATTEMPTS = 3
 
 
 class StepMismatch(Exception):
@@ -79,7 +81,7 @@ class _HandOver:
     loss_sum: float
 
 
-def _publish(model: torch.nn.Module, epoch: int) -> Snapshot:
+def _make_snapshot(model: torch.nn.Module, epoch: int) -> Snapshot:
     f32 = tuple(p.detach().reshape(-1).numpy().copy() for p in model.parameters())
     for a in f32:
         a.setflags(write=False)
@@ -90,6 +92,10 @@ def _publish(model: torch.nn.Module, epoch: int) -> Snapshot:
     for a in f32:
         digest.update(a.data)
     return Snapshot(step=epoch + 1, updates=epoch, f32=f32, f16=f16, digest=digest.hexdigest())
+
+
+def _has_digest(records: dict[str, dict], digest: str) -> bool:
+    return any(r["digest"] == digest for r in records.values())
 
 
 class TrainingNode:
@@ -243,6 +249,8 @@ class TrainingNode:
         self.maddrs = swarm.visible_maddrs(self.dht)
         self.peer_id = str(self.dht.peer_id)
         self.optimizer = swarm.make_swarm_optimizer(self.dht, local_opt, cfg.swarm)
+        self.optimizer.local_gradients = self._local_mean_gradients
+        self.optimizer.update_priority = swarm.update_priority(self.peer_id)
         if restored is not None:
             self.optimizer.state_averager.local_epoch = restored.epoch
             self.optimizer.tracker.report_local_progress(restored.epoch, 0)
@@ -250,22 +258,50 @@ class TrainingNode:
         if cfg.swarm.initial_peers:
             swarm.wait_for_swarm_progress(self.optimizer, timeout_s=10.0)
             if self.optimizer.tracker.global_epoch > self.optimizer.local_epoch or restored is None:
-                logger.info("Loading the swarm's parameters and optimizer state from peers")
-                self.optimizer.load_state_from_peers()
+                self._load_state_from_peers()
         self._epoch = self.optimizer.local_epoch
         self._reset_epoch_accumulator()
-        self._publish()
+        self._publish(_make_snapshot(self.model, self._epoch))
         logger.info(f"Node ready at step {self._snapshot.step} (epoch {self._epoch})")
+
+    def _load_state_from_peers(self) -> None:
+        """Download the swarm's parameters and optimizer state, labelled with the epoch they belong to.
+
+        hivemind labels a downloaded state with the swarm's next epoch when the swarm is one epoch ahead of it
+        ("Catching up with collaboration step"): the bytes of update e served as step e + 2. The digests peers
+        publish after each update tell which epoch the bytes are; a mislabelled state is relabelled and loaded
+        again (bounded).
+        """
+        opt, run_id = self.optimizer, self.config.swarm.run_id
+        for attempt in range(RECONCILE_ATTEMPTS):
+            logger.info("Loading the swarm's parameters and optimizer state from peers")
+            opt.load_state_from_peers()
+            epoch, digest = opt.local_epoch, _make_snapshot(self.model, opt.local_epoch).digest
+            published = swarm.list_digests(self.dht, run_id, epoch)
+            if epoch == 0 or _has_digest(published, digest):
+                return
+            if _has_digest(swarm.list_digests(self.dht, run_id, epoch - 1), digest):
+                logger.info(f"The downloaded state is that of update {epoch - 1}, labelled {epoch}; loading again")
+                opt.state_averager.local_epoch = epoch - 1
+            elif not published:
+                return  # no peer has published update `epoch` yet: nothing to check the bytes against
+            else:
+                logger.info(f"The downloaded state is none that peers published for update {epoch} "
+                            f"(caught during an update); loading again")
+                time.sleep(0.5)
+        logger.warning("Could not download a state that agrees with what its peers published")
 
     def _reset_epoch_accumulator(self) -> None:
         self._epoch_sums = [torch.zeros(t.elements) for t in self.tensors]
         self._epoch_samples = 0
-        self._epoch_calls = 0  # Optimizer.step calls this epoch
         self._epoch_local_samples = 0  # samples of this node's own data this epoch
         self._epoch_loss_sum = 0.0
 
-    def _publish(self) -> None:
-        snap = _publish(self.model, self.optimizer.local_epoch)
+    def _local_mean_gradients(self) -> list[torch.Tensor]:
+        """This epoch's samples-weighted mean gradient of everything this node gathered (hivemind's fallback)."""
+        return [acc / max(self._epoch_samples, 1) for acc in self._epoch_sums]
+
+    def _publish(self, snap: Snapshot) -> None:
         self._snapshot = snap
         norm = float(np.sqrt(sum(np.dot(a.astype(np.float64), a) for a in snap.f32)))
         logger.info(f"step {snap.step} params sha256 {snap.digest} l2 {norm:.12e}")
@@ -291,7 +327,7 @@ class TrainingNode:
         worked = False
         while (hand_over := self._next_hand_over()) is not None:
             self._accumulate(hand_over.sums, hand_over.samples, hand_over.loss_sum)
-            self._step(hand_over.samples)
+            self._step()
             worked = True
         if self.dataset is not None and self._wants_local_batch():
             self._local_batch(rng)
@@ -336,45 +372,92 @@ class TrainingNode:
         batch = tokens.shape[0]
         self._epoch_local_samples += batch
         self._accumulate([g.detach() * batch for g in grads], batch, batch * loss.item())
-        self._step(batch)
+        self._step()
 
-    def _step(self, batch_size: int) -> None:
-        """One hivemind Optimizer.step for `batch_size` new samples (0 when idle with pending samples).
+    def _step(self) -> None:
+        """One hivemind Optimizer.step reporting the samples gathered since the last call (none when idle).
 
         hivemind divides its .grad buffers by the number of step() calls of the epoch when it averages, and
         weighs this peer by the samples it reported. Writing sum(S_i g_i) * calls / samples into the buffers
-        before each call makes the gradient it averages exactly the samples-weighted mean.
+        before each call makes the gradient it averages exactly the samples-weighted mean. Its own counters are
+        the reference: a catch-up from peers resets them without a new epoch.
         """
         opt = self.optimizer
-        self._epoch_calls += 1
-        scale = self._epoch_calls / self._epoch_samples
+        counted = opt.grad_averager
+        new_samples = max(self._epoch_samples - counted.local_samples_accumulated, 0)
+        scale = (counted.local_times_accumulated + 1) / self._epoch_samples
         with torch.no_grad():
             for p, acc in zip(self.model.parameters(), self._epoch_sums):
                 p.grad.copy_(acc.view_as(p)).mul_(scale)
         samples, mean_loss = self._epoch_samples, self._epoch_loss_sum / self._epoch_samples
-        epoch_before = opt.local_epoch
-        opt.step(batch_size=batch_size)
-        if opt.local_epoch == epoch_before + 1:  # an update (a catch-up from peers jumps or keeps the epoch)
+        epoch_before, peers = opt.local_epoch, opt.tracker.global_progress.num_peers
+        opt.step(batch_size=new_samples)
+        updated = opt.local_epoch == epoch_before + 1  # a catch-up from peers jumps or keeps the epoch
+        if updated:
             with self._lock:
                 self._losses.append(mean_loss)
             logger.info(f"update {opt.local_epoch}: {samples} samples, loss {mean_loss:.4f}")
-        self._after_step()
+        self._after_step(update_of=max(peers, 1) if updated else 0)
 
     def _idle(self) -> None:
         opt = self.optimizer
         if self._epoch_samples > 0:
-            self._step(0)  # lets hivemind schedule and run the update the swarm is gathering samples for
+            self._step()  # lets hivemind schedule and run the update the swarm is gathering samples for
         elif opt.tracker.global_epoch > opt.local_epoch:
             # the swarm moved on without us: take its state
             logger.info(f"Behind the swarm (epoch {opt.local_epoch} < {opt.tracker.global_epoch}); loading state")
-            opt.load_state_from_peers()
+            self._load_state_from_peers()
             self._after_step()
 
-    def _after_step(self) -> None:
-        if self.optimizer.local_epoch != self._epoch:
-            self._epoch = self.optimizer.local_epoch
-            self._reset_epoch_accumulator()
-            self._publish()
+    def _after_step(self, update_of: int = 0) -> None:
+        """Publish the parameters of a new epoch; after an update of `update_of` peers, agree with them."""
+        if self.optimizer.local_epoch == self._epoch:
+            return
+        snap = _make_snapshot(self.model, self.optimizer.local_epoch)
+        if update_of > 0:
+            snap = self._reconcile(snap, update_of)
+        self._epoch = self.optimizer.local_epoch
+        self._reset_epoch_accumulator()
+        self._publish(snap)
+
+    def _reconcile(self, snap: Snapshot, peers: int) -> Snapshot:
+        """Peers that updated together compare parameter digests before they serve the new step.
+
+        A failed or timed-out averaging round leaves a peer with parameters of its own. Every peer publishes its
+        digest with its update priority; the peer with the highest priority among those of this epoch is the
+        reference, and a peer that differs from it loads the reference's state (hivemind downloads from the
+        peer of highest priority). Waits are bounded: a peer that does not publish within RECONCILE_WAIT_S is
+        left out of the comparison.
+        """
+        opt, run_id = self.optimizer, self.config.swarm.run_id
+        epoch = snap.updates
+        mine = dict(digest=snap.digest, priority=epoch + opt.update_priority)
+        swarm.publish_digest(self.dht, run_id, epoch, self.peer_id, **mine)
+        if peers <= 1:
+            return snap
+        deadline = time.monotonic() + RECONCILE_WAIT_S
+        while True:
+            records = swarm.list_digests(self.dht, run_id, epoch)
+            records[self.peer_id] = mine
+            if len(records) >= peers or time.monotonic() >= deadline or self._stop.is_set():
+                break
+            time.sleep(0.05)
+        reference_peer, reference = max(records.items(), key=lambda item: item[1]["priority"])
+        if reference["digest"] == snap.digest:
+            return snap
+        logger.warning(f"update {epoch}: parameters differ from those of peer {reference_peer} "
+                       f"(an averaging round failed); loading its state")
+        for attempt in range(RECONCILE_ATTEMPTS):
+            opt.load_state_from_peers()
+            opt.state_averager.local_epoch = epoch  # the reference's update, whatever label hivemind gives it
+            snap = _make_snapshot(self.model, opt.local_epoch)
+            if snap.digest == reference["digest"]:
+                logger.info(f"update {epoch}: parameters now equal peer {reference_peer}'s")
+                break
+            time.sleep(0.5)  # the reference's priority may not be in the DHT yet
+        else:
+            logger.warning(f"update {epoch}: could not load the parameters of peer {reference_peer}")
+        return snap
 
     def _announce(self) -> None:
         self._last_announce = time.monotonic()
