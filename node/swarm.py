@@ -71,6 +71,7 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     local_gradients: Optional[Callable[[], Sequence[torch.Tensor]]] = None
     update_priority: float = 0.0  # added to the epoch as this peer's state-sharing priority after an update
+    peers_in_last_update: int = 0
 
     def _load_exact_local_gradients(self) -> bool:
         if self.local_gradients is None:
@@ -96,6 +97,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         return began
 
     def _update_global_epoch(self, grad_scaler) -> None:
+        self.peers_in_last_update = self.tracker.global_progress.num_peers  # those averaging this update
         super()._update_global_epoch(grad_scaler)
         if not self.client_mode:
             self.state_averager.state_sharing_priority = self.local_epoch + self.update_priority

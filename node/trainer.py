@@ -8,10 +8,13 @@ split inference) only:
 
 Gradient bookkeeping. The bridge accumulates `sum(samples_i * g_i)` over packets until
 `min_nodes_for_update` distinct contributors have submitted, then hands the sum over. The training thread
-adds hand-overs and its own local batches into one epoch accumulator and, once hivemind says the swarm is
-ready, calls `Optimizer.step(batch_size=samples)` exactly once with `grad = sum / samples`. One call per
-epoch keeps hivemind's own accumulator exact (it rescales by the first batch size of an epoch), so the
-swarm averages `sum_i(S_i g_i) / sum_i(S_i)` as NOTES.md asks.
+adds hand-overs and its own local batches into one epoch accumulator and calls `Optimizer.step` with the new
+samples, writing into .grad what makes hivemind's own accumulator exact (see `_step`), so the swarm averages
+`sum_i(S_i g_i) / sum_i(S_i)` as NOTES.md asks.
+
+Consistency. After each update the node publishes the digest of its parameters; peers that updated together
+compare digests before serving the new step, and one that differs from the reference peer loads its state
+(`_reconcile`, `_recheck`, `_agree`). Downloads of the swarm's state are checked against the same records.
 """
 from __future__ import annotations
 
@@ -37,8 +40,10 @@ logger = get_logger(__name__)
 LATE_WINDOW_STEPS = 5  # packets for [step - 5, step] are accepted (Training API v1, "Late Submissions")
 POLL_S = 0.25  # how often an idle training thread looks at the swarm's progress
 ANNOUNCE_EVERY_S = 3.0  # how often the node refreshes its record in the swarm's node list
-RECONCILE_WAIT_S = 5.0  # how long a peer waits for the digests of the peers it updated with
-RECONCILE_ATTEMPTS = 3
+RECONCILE_WAIT_S = 5.0  # at least this long a peer waits for the digests of the peers it updated with
+RECHECK_EVERY_S = 1.0
+TRAINING_RECENTLY_S = 30.0  # a node that reported samples this recently announces itself as training
+JOIN_ATTEMPTS = 5  # downloads of the swarm's state until its bytes match what peers published
 
 
 class StepMismatch(Exception):
@@ -121,7 +126,12 @@ class TrainingNode:
         self._num_peers = 1
         self._swarm_nodes: dict[str, dict] = {}
         self._last_announce = 0.0
+        self._last_samples_at = -TRAINING_RECENTLY_S  # when this node last reported samples to the swarm
         self._snapshot_listeners: list[Callable[[Snapshot], None]] = []
+        self._my_record: dict = {}  # the digest record this node published for its latest update
+        self._seed_digest: Optional[str] = None  # the parameters of epoch 0 (the seeded model)
+        self._recheck_epoch: Optional[int] = None  # the update whose digests this node keeps comparing
+        self._next_recheck = 0.0
 
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dtrain-training", daemon=True)
@@ -255,6 +265,7 @@ class TrainingNode:
             self.optimizer.state_averager.local_epoch = restored.epoch
             self.optimizer.tracker.report_local_progress(restored.epoch, 0)
 
+        self._seed_digest = _make_snapshot(self.model, 0).digest if restored is None else None
         if cfg.swarm.initial_peers:
             swarm.wait_for_swarm_progress(self.optimizer, timeout_s=10.0)
             if self.optimizer.tracker.global_epoch > self.optimizer.local_epoch or restored is None:
@@ -262,39 +273,50 @@ class TrainingNode:
         self._epoch = self.optimizer.local_epoch
         self._reset_epoch_accumulator()
         self._publish(_make_snapshot(self.model, self._epoch))
+        self._announce()  # and learn who is in the swarm: the first update may come with this node's first batch
+        # until its first update a joiner cannot know who trains: it compares with every node it sees
+        self._epoch_peers = max(1, len(self._swarm_nodes))
         logger.info(f"Node ready at step {self._snapshot.step} (epoch {self._epoch})")
 
     def _load_state_from_peers(self) -> None:
-        """Download the swarm's parameters and optimizer state, labelled with the epoch they belong to.
+        """Download the swarm's parameters and optimizer state: bytes that peers published for the epoch they are
+        labelled with.
 
-        hivemind labels a downloaded state with the swarm's next epoch when the swarm is one epoch ahead of it
-        ("Catching up with collaboration step"): the bytes of update e served as step e + 2. The digests peers
-        publish after each update tell which epoch the bytes are; a mislabelled state is relabelled and loaded
-        again (bounded).
+        A state downloaded while its peer is inside an update can be torn (stepped, not yet averaged), and hivemind
+        labels a downloaded state with the swarm's next epoch when the swarm is one epoch ahead of it ("Catching
+        up with collaboration step"): the bytes of update e served as step e + 2. The digests peers publish after
+        each update tell which epoch the bytes are; anything else is downloaded again (bounded).
         """
         opt, run_id = self.optimizer, self.config.swarm.run_id
-        for attempt in range(RECONCILE_ATTEMPTS):
+        wait_s = max(RECONCILE_WAIT_S, self.config.swarm.averaging_timeout_s)
+        for attempt in range(JOIN_ATTEMPTS):
             logger.info("Loading the swarm's parameters and optimizer state from peers")
             opt.load_state_from_peers()
             epoch, digest = opt.local_epoch, _make_snapshot(self.model, opt.local_epoch).digest
-            published = swarm.list_digests(self.dht, run_id, epoch)
-            if epoch == 0 or _has_digest(published, digest):
+            if epoch == 0 and digest == self._seed_digest:
+                return
+            deadline = time.monotonic() + wait_s  # the peers may still be finishing this update
+            while not (published := swarm.list_digests(self.dht, run_id, epoch)) and time.monotonic() < deadline:
+                if self._stop.wait(0.1):
+                    return
+            if _has_digest(published, digest):
                 return
             if _has_digest(swarm.list_digests(self.dht, run_id, epoch - 1), digest):
                 logger.info(f"The downloaded state is that of update {epoch - 1}, labelled {epoch}; loading again")
                 opt.state_averager.local_epoch = epoch - 1
             elif not published:
-                return  # no peer has published update `epoch` yet: nothing to check the bytes against
+                logger.warning(f"No peer published its parameters for update {epoch}; keeping the download")
+                return
             else:
                 logger.info(f"The downloaded state is none that peers published for update {epoch} "
-                            f"(caught during an update); loading again")
-                time.sleep(0.5)
+                            f"(caught inside an update); loading again")
         logger.warning("Could not download a state that agrees with what its peers published")
 
     def _reset_epoch_accumulator(self) -> None:
         self._epoch_sums = [torch.zeros(t.elements) for t in self.tensors]
         self._epoch_samples = 0
         self._epoch_local_samples = 0  # samples of this node's own data this epoch
+        self._epoch_peers = 1  # the most training peers the swarm's progress showed this epoch
         self._epoch_loss_sum = 0.0
 
     def _local_mean_gradients(self) -> list[torch.Tensor]:
@@ -335,6 +357,7 @@ class TrainingNode:
         if not worked:
             self._idle()
         self._num_peers = max(1, self.optimizer.tracker.global_progress.num_peers)
+        self._epoch_peers = max(self._epoch_peers, self._num_peers)
         if time.monotonic() - self._last_announce >= ANNOUNCE_EVERY_S:
             self._announce()
         epoch = self.optimizer.local_epoch
@@ -382,6 +405,7 @@ class TrainingNode:
         before each call makes the gradient it averages exactly the samples-weighted mean. Its own counters are
         the reference: a catch-up from peers resets them without a new epoch.
         """
+        self._recheck()  # a reference peer that published its last update after this node compared
         opt = self.optimizer
         counted = opt.grad_averager
         new_samples = max(self._epoch_samples - counted.local_samples_accumulated, 0)
@@ -390,14 +414,20 @@ class TrainingNode:
             for p, acc in zip(self.model.parameters(), self._epoch_sums):
                 p.grad.copy_(acc.view_as(p)).mul_(scale)
         samples, mean_loss = self._epoch_samples, self._epoch_loss_sum / self._epoch_samples
-        epoch_before, peers = opt.local_epoch, opt.tracker.global_progress.num_peers
+        epoch_before = opt.local_epoch
+        if new_samples:
+            self._last_samples_at = time.monotonic()
         opt.step(batch_size=new_samples)
         updated = opt.local_epoch == epoch_before + 1  # a catch-up from peers jumps or keeps the epoch
         if updated:
             with self._lock:
                 self._losses.append(mean_loss)
             logger.info(f"update {opt.local_epoch}: {samples} samples, loss {mean_loss:.4f}")
-        self._after_step(update_of=max(peers, 1) if updated else 0)
+        # the peers to compare with: those averaging this update, or any seen training this epoch or announced as
+        # training (a peer that updates alone, e.g. right after it joined, still has to agree with the others)
+        with self._lock:
+            announced = sum(1 for info in self._swarm_nodes.values() if info.get("training"))
+        self._after_step(update_of=max(opt.peers_in_last_update, self._epoch_peers, announced) if updated else 0)
 
     def _idle(self) -> None:
         opt = self.optimizer
@@ -416,6 +446,8 @@ class TrainingNode:
         snap = _make_snapshot(self.model, self.optimizer.local_epoch)
         if update_of > 0:
             snap = self._reconcile(snap, update_of)
+        else:
+            self._recheck_epoch = None  # caught up from peers: nothing of its own to compare
         self._epoch = self.optimizer.local_epoch
         self._reset_epoch_accumulator()
         self._publish(snap)
@@ -426,43 +458,68 @@ class TrainingNode:
         A failed or timed-out averaging round leaves a peer with parameters of its own. Every peer publishes its
         digest with its update priority; the peer with the highest priority among those of this epoch is the
         reference, and a peer that differs from it loads the reference's state (hivemind downloads from the
-        peer of highest priority). Waits are bounded: a peer that does not publish within RECONCILE_WAIT_S is
-        left out of the comparison.
+        peer of highest priority). Waits are bounded: a peer that does not publish within one averaging timeout
+        (a peer whose gradient round failed finishes that much later) is left out here, and `_recheck` catches
+        a reference that publishes later, until this node's next update.
         """
         opt, run_id = self.optimizer, self.config.swarm.run_id
         epoch = snap.updates
-        mine = dict(digest=snap.digest, priority=epoch + opt.update_priority)
-        swarm.publish_digest(self.dht, run_id, epoch, self.peer_id, **mine)
+        self._my_record = dict(digest=snap.digest, priority=epoch + opt.update_priority)
+        swarm.publish_digest(self.dht, run_id, epoch, self.peer_id, **self._my_record)
+        self._recheck_epoch = epoch
         if peers <= 1:
             return snap
-        deadline = time.monotonic() + RECONCILE_WAIT_S
+        deadline = time.monotonic() + max(RECONCILE_WAIT_S, self.config.swarm.averaging_timeout_s)
         while True:
             records = swarm.list_digests(self.dht, run_id, epoch)
-            records[self.peer_id] = mine
-            if len(records) >= peers or time.monotonic() >= deadline or self._stop.is_set():
+            if len(records | {self.peer_id: None}) >= peers or time.monotonic() >= deadline:
                 break
-            time.sleep(0.05)
-        reference_peer, reference = max(records.items(), key=lambda item: item[1]["priority"])
-        if reference["digest"] == snap.digest:
+            if self._stop.wait(0.05):
+                return snap
+        return self._agree(snap, records)
+
+    def _recheck(self) -> None:
+        """Until its next update (before step calls, at most every RECHECK_EVERY_S): agree with a reference peer
+        that published its parameters after this node compared, or that this node did not know had taken part."""
+        snap = self._snapshot
+        if snap is None or snap.updates != self._recheck_epoch or time.monotonic() < self._next_recheck:
+            return
+        self._next_recheck = time.monotonic() + RECHECK_EVERY_S
+        agreed = self._agree(snap, swarm.list_digests(self.dht, self.config.swarm.run_id, snap.updates))
+        if agreed is not snap:
+            if agreed.updates != self._epoch:
+                self._epoch = agreed.updates
+                self._reset_epoch_accumulator()
+            self._publish(agreed)
+
+    def _agree(self, snap: Snapshot, records: dict[str, dict]) -> Snapshot:
+        """`snap`, or the reference peer's parameters when they differ (then this node loads its state)."""
+        opt, epoch = self.optimizer, snap.updates
+        mine = self._my_record
+        others = {p: r for p, r in records.items() if p != self.peer_id and r["priority"] > mine["priority"]}
+        if not others:
+            return snap  # this node is the reference
+        reference_peer, reference = max(others.items(), key=lambda item: item[1]["priority"])
+        if reference["digest"] == snap.digest or self._stop.is_set():
             return snap
         logger.warning(f"update {epoch}: parameters differ from those of peer {reference_peer} "
                        f"(an averaging round failed); loading its state")
-        for attempt in range(RECONCILE_ATTEMPTS):
-            opt.load_state_from_peers()
-            opt.state_averager.local_epoch = epoch  # the reference's update, whatever label hivemind gives it
-            snap = _make_snapshot(self.model, opt.local_epoch)
-            if snap.digest == reference["digest"]:
-                logger.info(f"update {epoch}: parameters now equal peer {reference_peer}'s")
-                break
-            time.sleep(0.5)  # the reference's priority may not be in the DHT yet
+        self._load_state_from_peers()  # checked against what peers published, whichever epoch it lands on
+        snap = _make_snapshot(self.model, opt.local_epoch)
+        if snap.digest == reference["digest"]:
+            logger.info(f"update {epoch}: parameters now equal peer {reference_peer}'s")
         else:
-            logger.warning(f"update {epoch}: could not load the parameters of peer {reference_peer}")
+            logger.info(f"update {epoch}: loaded the swarm's state of update {snap.updates}")
+        if snap.updates == epoch:
+            self._my_record = dict(digest=snap.digest, priority=mine["priority"])
+            swarm.publish_digest(self.dht, self.config.swarm.run_id, epoch, self.peer_id, **self._my_record)
         return snap
 
     def _announce(self) -> None:
         self._last_announce = time.monotonic()
         run_id = self.config.swarm.run_id
-        info = {"step": self.step, "bridge_port": self.config.port, "maddrs": self.maddrs[:4]}
+        training = time.monotonic() - self._last_samples_at < TRAINING_RECENTLY_S
+        info = {"step": self.step, "bridge_port": self.config.port, "maddrs": self.maddrs[:4], "training": training}
         swarm.announce(self.dht, run_id, self.peer_id, info)
         nodes = swarm.list_nodes(self.dht, run_id)
         with self._lock:

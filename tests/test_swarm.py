@@ -1,6 +1,8 @@
 """Real multi-peer swarms on 127.0.0.1: lockstep training, late joiners, the CLI's lifecycle, checkpoints."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.nodeproc import REPO, TINY_CONFIG, NodeProcess, new_run_id, pid_alive, wait_until
@@ -58,7 +60,7 @@ def test_peers_byte_identical_after_each_epoch(text_file, peers):
         # the steps agree: every node serves every one of these steps (none skipped one)
         for d in digests:
             assert set(range(joined + 1, max(common_steps()) + 1)) <= set(d)
-        repaired = sum(n.output().count("parameters now equal peer") for n in nodes)
+        repaired = sum(n.output().count("parameters differ from those of peer") for n in nodes)
         print(f"{len(common_steps())} epochs byte-identical across {peers} peers; "
               f"{repaired} peer-updates repaired after a failed averaging round")
         for node in nodes:
