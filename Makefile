@@ -3,6 +3,9 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+WEB := static/vendor/.built
+CHROMIUM := /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: setup node test bench clean
 
@@ -14,12 +17,22 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m node.assets static
 	touch $(STAMP)
 
-setup: $(STAMP)
+# the browser pages' npm dependencies (TensorFlow.js), bundled into static/vendor/: the node serves them, no CDN
+$(WEB): package.json package-lock.json web/tf.js web/build.mjs
+	npm ci --no-audit --no-fund --loglevel=error
+	npm run --silent build
+	touch $(WEB)
 
-node: $(STAMP)
+# the browser tests drive Debian's Chromium (a test tool's own browser download is refused on these machines)
+$(CHROMIUM):
+	$(SUDO) apt-get install -y -q chromium || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium)
+
+setup: $(STAMP) $(WEB)
+
+node: $(STAMP) $(WEB)
 	$(BIN)/dtrain-node $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(WEB) $(CHROMIUM)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)

@@ -2,20 +2,9 @@
 // Embedding lookup, tied LM head and sampling run here; only embedding vectors go to the node.
 // Transport: WebSocket /api/v1/split/stream when globalThis.WebSocket exists, else POST /api/v1/split/forward.
 
-const RESTART_CODES = ["stale_session", "no_session"];
-const CHUNK_SIZE = 8 * 1024 * 1024; // IndexedDB chunk size (mobile Safari OOMs on one huge value)
+import { F16, cacheGet, cachePut } from "./weights.js";
 
-// f16 bit pattern -> float32 value, for all 65,536 patterns
-const F16 = (() => {
-  const t = new Float32Array(65536);
-  for (let h = 0; h < 65536; h++) {
-    const s = h & 0x8000 ? -1 : 1, e = (h >> 10) & 0x1f, m = h & 0x3ff;
-    if (e === 0) t[h] = s * m * 2 ** -24;
-    else if (e === 31) t[h] = m ? NaN : s * Infinity;
-    else t[h] = s * (1 + m / 1024) * 2 ** (e - 15);
-  }
-  return t;
-})();
+const RESTART_CODES = ["stale_session", "no_session"];
 
 export class SplitClientError extends Error {
   constructor(message, code = null) { super(message); this.code = code; }
@@ -47,54 +36,6 @@ function bytesToF32(bytes) {
 function newSessionId() {
   if (globalThis.crypto?.randomUUID) return globalThis.crypto.randomUUID().replace(/-/g, "");
   return Array.from({ length: 32 }, () => Math.floor(Math.random() * 16).toString(16)).join("");
-}
-
-// ---- IndexedDB weight cache (browser only; every failure means "not cached")
-function idbOpen() {
-  return new Promise((resolve, reject) => {
-    const req = globalThis.indexedDB.open("dtrain-split", 1);
-    req.onupgradeneeded = () => req.result.createObjectStore("weights");
-    req.onsuccess = () => resolve(req.result);
-    req.onerror = () => reject(req.error);
-  });
-}
-
-function idbDo(db, mode, fn) {
-  return new Promise((resolve, reject) => {
-    const tx = db.transaction("weights", mode), store = tx.objectStore("weights");
-    const req = fn(store);
-    tx.oncomplete = () => resolve(req?.result);
-    tx.onerror = tx.onabort = () => reject(tx.error);
-  });
-}
-
-async function cacheGet(key) {
-  if (!globalThis.indexedDB) return null;
-  try {
-    const db = await idbOpen();
-    const meta = await idbDo(db, "readonly", (s) => s.get(`${key}:meta`));
-    if (!meta) return null;
-    const out = new Uint8Array(meta.byteLength);
-    for (let i = 0, off = 0; i < meta.chunks; i++) {
-      const chunk = new Uint8Array(await idbDo(db, "readonly", (s) => s.get(`${key}:${i}`)));
-      out.set(chunk, off);
-      off += chunk.length;
-    }
-    return out.buffer;
-  } catch { return null; }
-}
-
-async function cachePut(key, buffer) {
-  if (!globalThis.indexedDB) return;
-  try {
-    const db = await idbOpen();
-    let chunks = 0;
-    for (let i = 0; i < buffer.byteLength; i += CHUNK_SIZE, chunks++) {
-      const part = buffer.slice(i, Math.min(i + CHUNK_SIZE, buffer.byteLength));
-      await idbDo(db, "readwrite", (s) => s.put(part, `${key}:${chunks}`));
-    }
-    await idbDo(db, "readwrite", (s) => s.put({ byteLength: buffer.byteLength, chunks }, `${key}:meta`));
-  } catch { /* caching is best effort */ }
 }
 
 export class SplitClient {

@@ -1,0 +1,103 @@
+// The shared GPT-2 model in TensorFlow.js: the same computation as transformers' GPT2LMHeadModel (gelu_new,
+// layer norm eps 1e-5, tied LM head, no dropout), with parameters named and shaped as the node's manifest lists
+// them. Pure functions of (tf, config, parameters, tokens): usable on the main thread and in Web Workers.
+
+const LN_EPS = 1e-5;
+const GELU_C = Math.sqrt(2 / Math.PI);
+
+function layerNorm(tf, x, weight, bias) {
+  const { mean, variance } = tf.moments(x, -1, true);
+  return tf.add(tf.mul(tf.div(tf.sub(x, mean), tf.sqrt(tf.add(variance, LN_EPS))), weight), bias);
+}
+
+function geluNew(tf, x) {
+  const inner = tf.mul(GELU_C, tf.add(x, tf.mul(0.044715, tf.pow(x, 3))));
+  return tf.mul(tf.mul(0.5, x), tf.add(1, tf.tanh(inner)));
+}
+
+// Conv1D of transformers: x [..., in] @ weight [in, out] + bias
+function conv1d(tf, x, weight, bias) {
+  const shape = x.shape;
+  const flat = tf.reshape(x, [-1, shape[shape.length - 1]]);
+  const out = tf.add(tf.matMul(flat, weight), bias);
+  return tf.reshape(out, [...shape.slice(0, -1), weight.shape[1]]);
+}
+
+function attention(tf, x, p, prefix, nHeads, mask) {
+  const [B, T, D] = x.shape, hd = D / nHeads;
+  const qkv = conv1d(tf, x, p[`${prefix}.attn.c_attn.weight`], p[`${prefix}.attn.c_attn.bias`]);
+  const heads = (t) => tf.transpose(tf.reshape(t, [B, T, nHeads, hd]), [0, 2, 1, 3]); // [B, H, T, hd]
+  const [q, k, v] = tf.split(qkv, 3, -1).map(heads);
+  const scores = tf.add(tf.div(tf.matMul(q, k, false, true), Math.sqrt(hd)), mask); // [B, H, T, T]
+  const context = tf.matMul(tf.softmax(scores, -1), v); // [B, H, T, hd]
+  const merged = tf.reshape(tf.transpose(context, [0, 2, 1, 3]), [B, T, D]);
+  return conv1d(tf, merged, p[`${prefix}.attn.c_proj.weight`], p[`${prefix}.attn.c_proj.bias`]);
+}
+
+// Token embedding whose gradient is one scatter-add (tf.gather's own gradient, UnsortedSegmentSum, loops over
+// all 50,257 rows on the CPU backend and is missing on WASM).
+function embed(tf, wte, tokens) {
+  const [B, T] = tokens.shape, D = wte.shape[1];
+  const flat = tf.reshape(tokens, [-1]);
+  const lookup = tf.customGrad((w) => ({
+    value: tf.reshape(tf.gather(w, flat), [B, T, D]),
+    gradFunc: (dy) => tf.scatterND(tf.reshape(flat, [-1, 1]), tf.reshape(dy, [B * T, D]), w.shape),
+  }));
+  return lookup(wte);
+}
+
+function causalMask(tf, T) {
+  const values = new Float32Array(T * T);
+  for (let i = 0; i < T; i++) for (let j = i + 1; j < T; j++) values[i * T + j] = -1e9;
+  return tf.tensor2d(values, [T, T]);
+}
+
+/**
+ * Mean next-token cross-entropy of `tokens` ([B, T] int32 tensor) under parameters `p` (name -> tensor), exactly
+ * as GPT2LMHeadModel(input_ids=tokens, labels=tokens).loss: positions 0..T-2 predict tokens 1..T-1.
+ */
+export function lmLoss(tf, config, p, tokens) {
+  const [B, T] = tokens.shape;
+  const wpe = p["transformer.wpe.weight"];
+  let x = tf.add(embed(tf, p["transformer.wte.weight"], tokens), tf.slice(wpe, [0, 0], [T, wpe.shape[1]]));
+  const mask = causalMask(tf, T);
+  for (let i = 0; i < config.n_layers; i++) {
+    const prefix = `transformer.h.${i}`;
+    const a = layerNorm(tf, x, p[`${prefix}.ln_1.weight`], p[`${prefix}.ln_1.bias`]);
+    x = tf.add(x, attention(tf, a, p, prefix, config.n_heads, mask));
+    const m = layerNorm(tf, x, p[`${prefix}.ln_2.weight`], p[`${prefix}.ln_2.bias`]);
+    const hidden = geluNew(tf, conv1d(tf, m, p[`${prefix}.mlp.c_fc.weight`], p[`${prefix}.mlp.c_fc.bias`]));
+    x = tf.add(x, conv1d(tf, hidden, p[`${prefix}.mlp.c_proj.weight`], p[`${prefix}.mlp.c_proj.bias`]));
+  }
+  x = layerNorm(tf, x, p["transformer.ln_f.weight"], p["transformer.ln_f.bias"]);
+  const D = x.shape[2];
+  const h = tf.reshape(tf.slice(x, [0, 0, 0], [B, T - 1, D]), [B * (T - 1), D]);
+  const logits = tf.matMul(h, p["transformer.wte.weight"], false, true); // tied LM head: [N, V]
+  const labels = tf.reshape(tf.slice(tokens, [0, 1], [B, T - 1]), [-1]);
+  const logProbs = tf.logSoftmax(logits, -1);
+  const picked = tf.sum(tf.mul(logProbs, tf.oneHot(labels, logits.shape[1])), -1);
+  return tf.neg(tf.mean(picked));
+}
+
+/**
+ * Loss and gradient of every parameter for one batch. `names` lists the parameters in manifest order and
+ * `tensors` holds them ([shape] float32 tensors). Returns {loss: number, grads: Float32Array[] in that order}.
+ */
+export async function lossAndGradients(tf, config, names, tensors, tokenIds, batch, seqLen) {
+  const tokens = tf.tensor2d(tokenIds, [batch, seqLen], "int32");
+  try {
+    const f = (...xs) => lmLoss(tf, config, Object.fromEntries(names.map((n, i) => [n, xs[i]])), tokens);
+    const { value, grads } = tf.valueAndGrads(f)(tensors);
+    try {
+      const loss = (await value.data())[0];
+      const out = [];
+      for (const g of grads) out.push(await g.data());
+      return { loss, grads: out };
+    } finally {
+      value.dispose();
+      grads.forEach((g) => g.dispose());
+    }
+  } finally {
+    tokens.dispose();
+  }
+}
