@@ -157,6 +157,7 @@ export class BrowserTrainer {
       return { ids, batch: B, seqLen: T };
     }
     const r = await fetchOrThrow(this.url(`/api/v1/data/batch?batch_size=${B}&seq_len=${T}`), {}, "data batch");
+    if (r.status === 404) throw new TrainerError("this node hands out no training data", "no_data");
     if (!r.ok) await jsonOrThrow(r, "data batch");
     const ids = new Int32Array(new Uint32Array(await r.arrayBuffer()));
     return { ids, batch: Number(r.headers.get("X-Batch-Size")), seqLen: Number(r.headers.get("X-Seq-Len")) };

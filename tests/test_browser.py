@@ -156,15 +156,44 @@ def test_weights_cached_in_8mb_chunks_per_step(page, tiny_node):
     assert again["sums"] == first["sums"]
 
     # the node moves on: the next load downloads the new step and drops the old step's chunks
-    manifest = tiny_node.get_json("/api/v1/model/manifest")["tensors"]
-    packet = dgrd.encode(first["step"], "cache-test", 5.0, 1, [(3, None, np.full(manifest[3]["elements"], 0.5, np.float32))])
-    req = urllib.request.Request(tiny_node.url + "/api/v1/train/submit", data=packet, method="POST")
-    urllib.request.urlopen(req, timeout=10).read()
-    wait_until(lambda: tiny_node.get_json("/api/v1/model/info")["step"] > first["step"], 30, "the node's update")
+    _advance(tiny_node, 1)
     moved = page.evaluate(load)
     assert moved["step"] > first["step"] and moved["stats"]["downloadedBytes"] > 0
     assert all(f":{moved['step']}:" in k for k in moved["keys"]), moved["keys"]
     assert len([k for k in moved["keys"] if k.endswith(":meta")]) == tensors
+
+
+def _advance(node: NodeProcess, updates: int) -> int:
+    """Move the node `updates` steps on with packets of its current step; returns the new step."""
+    manifest = node.get_json("/api/v1/model/manifest")["tensors"]
+    for i in range(updates):
+        step = node.get_json("/api/v1/model/info")["step"]
+        packet = dgrd.encode(step, f"advance-{i}", 4.0 + i, 1, [(3, None, np.full(manifest[3]["elements"], 0.1, np.float32))])
+        urllib.request.urlopen(urllib.request.Request(node.url + "/api/v1/train/submit", data=packet,
+                                                      method="POST"), timeout=10).read()
+        wait_until(lambda: node.get_json("/api/v1/model/info")["step"] > step, 30, "the update")
+    return node.get_json("/api/v1/model/info")["step"]
+
+
+@pytest.mark.timeout(180)
+def test_trainer_refetches_the_model_on_409(page, tiny_node):
+    page.goto(tiny_node.url + "/contribute")
+    page.evaluate("""async () => {
+        const tf = await import("/static/vendor/tf.js");
+        const { BrowserTrainer, chooseBackend } = await import("/static/trainer.js");
+        await chooseBackend(tf, "", ["wasm", "cpu"]);
+        window.trainer = new BrowserTrainer(tf, { batchSize: 2, seqLen: 16, text: "To be, or not to be: ".repeat(20) });
+        await window.trainer.loadModel();
+    }""")
+    old = page.evaluate("window.trainer.step")
+    losses = len(tiny_node.get_json("/api/v1/server/losses"))
+    new = _advance(tiny_node, 6)  # past the late window of 5 steps
+    result = page.evaluate("window.trainer.trainOnce()")
+    assert result["status"] == 409 and result["serverStep"] == new
+    assert page.evaluate("window.trainer.step") == new and page.evaluate("window.trainer.stats.refetches") == 1
+    assert len(tiny_node.get_json("/api/v1/server/losses")) == losses + 6  # the stale packet changed nothing
+    result = page.evaluate("window.trainer.trainOnce()")  # on the new step it is accepted
+    assert result["status"] == 200 and old < new
 
 
 @pytest.fixture
@@ -185,7 +214,9 @@ def training_node(tmp_path):
 @pytest.mark.timeout(240)
 def test_contribute_page_trains_the_node(page, tiny_node):
     page.goto(tiny_node.url + "/contribute")
-    # tiny_node has no dataset: the contributor gives its own text
+    # tiny_node has no dataset: the page says so, and the contributor gives its own text
+    page.click("#start")
+    wait_until(lambda: "paste some text" in page.inner_text("#message"), 60, "the page to ask for text")
     page.fill("#text", SHAKESPEARE.read_text()[:4000])
     step0 = tiny_node.get_json("/api/v1/model/info")["step"]
     losses0 = len(tiny_node.get_json("/api/v1/server/losses"))
@@ -269,13 +300,7 @@ def test_tokenizer_and_dgrd_parity_in_chromium(page, tiny_node):
 
 @pytest.mark.timeout(180)
 def test_dashboard_draws_the_loss_curve(page, tiny_node):
-    manifest = tiny_node.get_json("/api/v1/model/manifest")["tensors"]
-    for i in range(4):
-        step = tiny_node.get_json("/api/v1/model/info")["step"]
-        packet = dgrd.encode(step, f"dash-{i}", 6.0 - i, 2, [(3, None, np.full(manifest[3]["elements"], 0.1, np.float32))])
-        urllib.request.urlopen(urllib.request.Request(tiny_node.url + "/api/v1/train/submit", data=packet,
-                                                      method="POST"), timeout=10).read()
-        wait_until(lambda: tiny_node.get_json("/api/v1/model/info")["step"] > step, 30, "the update")
+    _advance(tiny_node, 4)
     losses = tiny_node.get_json("/api/v1/server/losses")
     page.set_viewport_size({"width": 1200, "height": 900})
     page.goto(tiny_node.url + "/")
