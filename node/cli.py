@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -219,6 +220,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except ConfigError as e:
         print(f"dtrain-node: {e}", file=sys.stderr)
         sys.exit(2)
+    # The node has stopped: checkpoint written, swarm connection (and p2pd) shut down. Leave now rather than
+    # wait on hivemind's background threads, which can hang interpreter exit after an update was cut short.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

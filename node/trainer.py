@@ -151,7 +151,7 @@ class TrainingNode:
             raise
         self._thread.start()
 
-    def stop(self, grace_s: float = 5.0) -> None:
+    def stop(self, grace_s: float = 3.0) -> None:
         """Stop training; the thread saves a checkpoint and leaves the swarm.
 
         An all-reduce in flight can take up to averaging_timeout; past `grace_s` the swarm connection is shut
@@ -163,7 +163,7 @@ class TrainingNode:
         if self._thread.is_alive():
             logger.warning("An update is still in flight; leaving the swarm without waiting for it")
             swarm.shutdown(self.optimizer, self.dht)
-            self._thread.join(5.0)
+            self._thread.join(3.0)
 
     def add_snapshot_listener(self, callback: Callable[[Snapshot], None]) -> None:
         """Called on the training thread after every new snapshot (split inference reloads its weights)."""
