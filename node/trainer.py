@@ -86,6 +86,19 @@ class _HandOver:
     loss_sum: float
 
 
+def _digest(arrays) -> str:
+    """sha256 over the float32 bytes of every parameter in manifest order (Snapshot.digest)."""
+    digest = hashlib.sha256()
+    for a in arrays:
+        digest.update(np.ascontiguousarray(a).data)
+    return digest.hexdigest()
+
+
+def _params_digest(model: torch.nn.Module) -> str:
+    """The digest of the live parameters, without the copies and FP16 conversion a snapshot makes."""
+    return _digest(p.detach().reshape(-1).numpy() for p in model.parameters())
+
+
 def _make_snapshot(model: torch.nn.Module, epoch: int) -> Snapshot:
     f32 = tuple(p.detach().reshape(-1).numpy().copy() for p in model.parameters())
     for a in f32:
@@ -93,10 +106,7 @@ def _make_snapshot(model: torch.nn.Module, epoch: int) -> Snapshot:
     f16 = tuple(a.astype(np.float16) for a in f32)
     for a in f16:
         a.setflags(write=False)
-    digest = hashlib.sha256()
-    for a in f32:
-        digest.update(a.data)
-    return Snapshot(step=epoch + 1, updates=epoch, f32=f32, f16=f16, digest=digest.hexdigest())
+    return Snapshot(step=epoch + 1, updates=epoch, f32=f32, f16=f16, digest=_digest(f32))
 
 
 def _has_digest(records: dict[str, dict], digest: str) -> bool:
@@ -265,7 +275,7 @@ class TrainingNode:
             self.optimizer.state_averager.local_epoch = restored.epoch
             self.optimizer.tracker.report_local_progress(restored.epoch, 0)
 
-        self._seed_digest = _make_snapshot(self.model, 0).digest if restored is None else None
+        self._seed_digest = _params_digest(self.model) if restored is None else None
         if cfg.swarm.initial_peers:
             swarm.wait_for_swarm_progress(self.optimizer, timeout_s=10.0)
             if self.optimizer.tracker.global_epoch > self.optimizer.local_epoch or restored is None:
@@ -292,7 +302,7 @@ class TrainingNode:
         for attempt in range(JOIN_ATTEMPTS):
             logger.info("Loading the swarm's parameters and optimizer state from peers")
             opt.load_state_from_peers()
-            epoch, digest = opt.local_epoch, _make_snapshot(self.model, opt.local_epoch).digest
+            epoch, digest = opt.local_epoch, _params_digest(self.model)
             if epoch == 0 and digest == self._seed_digest:
                 return
             deadline = time.monotonic() + wait_s  # the peers may still be finishing this update
