@@ -72,6 +72,7 @@ class SwarmOptimizer(hivemind.Optimizer):
     local_gradients: Optional[Callable[[], Sequence[torch.Tensor]]] = None
     update_priority: float = 0.0  # added to the epoch as this peer's state-sharing priority after an update
     peers_in_last_update: int = 0
+    last_update_epoch: int = -1  # the epoch this peer's last update made (a catch-up from peers changes none)
 
     def _load_exact_local_gradients(self) -> bool:
         if self.local_gradients is None:
@@ -98,15 +99,25 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     def _update_global_epoch(self, grad_scaler) -> None:
         self.peers_in_last_update = self.tracker.global_progress.num_peers  # those averaging this update
+        # hivemind lets a peer that is one epoch behind make the update late, after the others made it together
+        late = self.tracker.global_epoch > self.local_epoch
         super()._update_global_epoch(grad_scaler)
+        self.last_update_epoch = self.local_epoch
         if not self.client_mode:
-            self.state_averager.state_sharing_priority = self.local_epoch + self.update_priority
+            bonus = late_priority(self.update_priority) if late else self.update_priority
+            self.state_averager.state_sharing_priority = self.local_epoch + bonus
 
 
 def update_priority(peer_id: str) -> float:
     """A peer's state-sharing priority bonus after an update, in [0.5, 1): above every peer that only caught up
     (hivemind gives those their epoch), and distinct per peer so that one peer of each epoch is the reference."""
     return 0.5 + 0.49 * int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") / 2 ** 32
+
+
+def late_priority(bonus: float) -> float:
+    """The bonus after an update made late, in (0, 0.26): below every peer that made it on time, so a late peer
+    follows them; above those that only caught up."""
+    return 0.01 + (bonus - 0.5) / 2
 
 
 def make_swarm_optimizer(

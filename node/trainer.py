@@ -13,12 +13,11 @@ samples, writing into .grad what makes hivemind's own accumulator exact (see `_s
 `sum_i(S_i g_i) / sum_i(S_i)` as NOTES.md asks.
 
 Consistency. After each update the node publishes the digest of its parameters; peers that updated together
-compare digests before serving the new step, and one that differs from the reference peer loads its state
-(`_reconcile`, `_recheck`, `_agree`). Downloads of the swarm's state are checked against the same records.
+compare digests before serving the new step, and one that differs from the reference peer loads its state.
+Downloads of the swarm's state are checked against the same records (`node.agreement`).
 """
 from __future__ import annotations
 
-import hashlib
 import queue
 import threading
 import time
@@ -31,19 +30,18 @@ from hivemind.utils.logging import get_logger
 
 from node import checkpoint as ckpt
 from node import swarm
+from node.agreement import Agreement
 from node.config import ModelConfig, NodeConfig, TrainConfig
 from node.data import TokenDataset
 from node.model import TensorInfo, build_model, tensor_infos
+from node.snapshot import Snapshot, make_snapshot, params_digest
 
 logger = get_logger(__name__)
 
 LATE_WINDOW_STEPS = 5  # packets for [step - 5, step] are accepted (Training API v1, "Late Submissions")
 POLL_S = 0.25  # how often an idle training thread looks at the swarm's progress
 ANNOUNCE_EVERY_S = 3.0  # how often the node refreshes its record in the swarm's node list
-RECONCILE_WAIT_S = 5.0  # at least this long a peer waits for the digests of the peers it updated with
-RECHECK_EVERY_S = 1.0
 TRAINING_RECENTLY_S = 30.0  # a node that reported samples this recently announces itself as training
-JOIN_ATTEMPTS = 5  # downloads of the swarm's state until its bytes match what peers published
 
 
 class StepMismatch(Exception):
@@ -56,17 +54,6 @@ class StepMismatch(Exception):
 
 class NodeStopped(RuntimeError):
     pass
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """The parameters of one step; never mutated after publication, so readers need no lock."""
-
-    step: int  # API step: hivemind epoch + 1
-    updates: int  # optimizer updates applied (the epoch)
-    f32: tuple[np.ndarray, ...]  # flat float32 copies in manifest order
-    f16: tuple[np.ndarray, ...]  # the same, converted to FP16 once per step
-    digest: str  # sha256 over the FP32 bytes of every tensor in order
 
 
 @dataclass
@@ -84,33 +71,6 @@ class _HandOver:
     sums: list[np.ndarray]
     samples: int
     loss_sum: float
-
-
-def _digest(arrays) -> str:
-    """sha256 over the float32 bytes of every parameter in manifest order (Snapshot.digest)."""
-    digest = hashlib.sha256()
-    for a in arrays:
-        digest.update(np.ascontiguousarray(a).data)
-    return digest.hexdigest()
-
-
-def _params_digest(model: torch.nn.Module) -> str:
-    """The digest of the live parameters, without the copies and FP16 conversion a snapshot makes."""
-    return _digest(p.detach().reshape(-1).numpy() for p in model.parameters())
-
-
-def _make_snapshot(model: torch.nn.Module, epoch: int) -> Snapshot:
-    f32 = tuple(p.detach().reshape(-1).numpy().copy() for p in model.parameters())
-    for a in f32:
-        a.setflags(write=False)
-    f16 = tuple(a.astype(np.float16) for a in f32)
-    for a in f16:
-        a.setflags(write=False)
-    return Snapshot(step=epoch + 1, updates=epoch, f32=f32, f16=f16, digest=_digest(f32))
-
-
-def _has_digest(records: dict[str, dict], digest: str) -> bool:
-    return any(r["digest"] == digest for r in records.values())
 
 
 class TrainingNode:
@@ -138,10 +98,7 @@ class TrainingNode:
         self._last_announce = 0.0
         self._last_samples_at = -TRAINING_RECENTLY_S  # when this node last reported samples to the swarm
         self._snapshot_listeners: list[Callable[[Snapshot], None]] = []
-        self._my_record: dict = {}  # the digest record this node published for its latest update
-        self._seed_digest: Optional[str] = None  # the parameters of epoch 0 (the seeded model)
-        self._recheck_epoch: Optional[int] = None  # the update whose digests this node keeps comparing
-        self._next_recheck = 0.0
+        self._agreement: Optional[Agreement] = None
 
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dtrain-training", daemon=True)
@@ -257,6 +214,7 @@ class TrainingNode:
     def _join(self) -> None:
         cfg = self.config
         restored = ckpt.load(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+        seed_digest = params_digest(self.model)  # epoch 0's only state, checkpoint or not
         local_opt = swarm.make_local_optimizer(self.model, self.train_config)
         if restored is not None:
             # restore before hivemind wraps the optimizer: its averagers keep references to these tensors
@@ -275,52 +233,23 @@ class TrainingNode:
             self.optimizer.state_averager.local_epoch = restored.epoch
             self.optimizer.tracker.report_local_progress(restored.epoch, 0)
 
-        self._seed_digest = _params_digest(self.model) if restored is None else None
+        self._agreement = Agreement(self.dht, self.optimizer, self.model, cfg.swarm, self._stop)
+        self._agreement.seed_digest = seed_digest
+        known_state = restored is not None  # bytes this node may vouch for: a checkpoint, or a checked download
         if cfg.swarm.initial_peers:
             swarm.wait_for_swarm_progress(self.optimizer, timeout_s=10.0)
             if self.optimizer.tracker.global_epoch > self.optimizer.local_epoch or restored is None:
-                self._load_state_from_peers()
+                known_state = self._agreement.load_state_from_peers()
         self._epoch = self.optimizer.local_epoch
         self._reset_epoch_accumulator()
-        self._publish(_make_snapshot(self.model, self._epoch))
+        snap = make_snapshot(self.model, self._epoch)
+        if known_state and snap.updates > 0:
+            self._agreement.vouch(snap)
+        self._publish(snap)
         self._announce()  # and learn who is in the swarm: the first update may come with this node's first batch
         # until its first update a joiner cannot know who trains: it compares with every node it sees
         self._epoch_peers = max(1, len(self._swarm_nodes))
         logger.info(f"Node ready at step {self._snapshot.step} (epoch {self._epoch})")
-
-    def _load_state_from_peers(self) -> None:
-        """Download the swarm's parameters and optimizer state: bytes that peers published for the epoch they are
-        labelled with.
-
-        A state downloaded while its peer is inside an update can be torn (stepped, not yet averaged), and hivemind
-        labels a downloaded state with the swarm's next epoch when the swarm is one epoch ahead of it ("Catching
-        up with collaboration step"): the bytes of update e served as step e + 2. The digests peers publish after
-        each update tell which epoch the bytes are; anything else is downloaded again (bounded).
-        """
-        opt, run_id = self.optimizer, self.config.swarm.run_id
-        wait_s = max(RECONCILE_WAIT_S, self.config.swarm.averaging_timeout_s)
-        for attempt in range(JOIN_ATTEMPTS):
-            logger.info("Loading the swarm's parameters and optimizer state from peers")
-            opt.load_state_from_peers()
-            epoch, digest = opt.local_epoch, _params_digest(self.model)
-            if epoch == 0 and digest == self._seed_digest:
-                return
-            deadline = time.monotonic() + wait_s  # the peers may still be finishing this update
-            while not (published := swarm.list_digests(self.dht, run_id, epoch)) and time.monotonic() < deadline:
-                if self._stop.wait(0.1):
-                    return
-            if _has_digest(published, digest):
-                return
-            if _has_digest(swarm.list_digests(self.dht, run_id, epoch - 1), digest):
-                logger.info(f"The downloaded state is that of update {epoch - 1}, labelled {epoch}; loading again")
-                opt.state_averager.local_epoch = epoch - 1
-            elif not published:
-                logger.warning(f"No peer published its parameters for update {epoch}; keeping the download")
-                return
-            else:
-                logger.info(f"The downloaded state is none that peers published for update {epoch} "
-                            f"(caught inside an update); loading again")
-        logger.warning("Could not download a state that agrees with what its peers published")
 
     def _reset_epoch_accumulator(self) -> None:
         self._epoch_sums = [torch.zeros(t.elements) for t in self.tensors]
@@ -415,8 +344,9 @@ class TrainingNode:
         before each call makes the gradient it averages exactly the samples-weighted mean. Its own counters are
         the reference: a catch-up from peers resets them without a new epoch.
         """
-        self._recheck()  # a reference peer that published its last update after this node compared
         opt = self.optimizer
+        # a reference peer that published its last update after this node compared; always right before an update
+        self._recheck(force=opt.tracker.ready_to_update_epoch)
         counted = opt.grad_averager
         new_samples = max(self._epoch_samples - counted.local_samples_accumulated, 0)
         scale = (counted.local_times_accumulated + 1) / self._epoch_samples
@@ -428,16 +358,18 @@ class TrainingNode:
         if new_samples:
             self._last_samples_at = time.monotonic()
         opt.step(batch_size=new_samples)
-        updated = opt.local_epoch == epoch_before + 1  # a catch-up from peers jumps or keeps the epoch
+        # a new epoch is an update of this peer's, or a state hivemind downloaded inside step() ("out of sync")
+        updated = opt.local_epoch != epoch_before and opt.last_update_epoch == opt.local_epoch
         if updated:
             with self._lock:
                 self._losses.append(mean_loss)
+                announced = sum(1 for info in self._swarm_nodes.values() if info.get("training"))
             logger.info(f"update {opt.local_epoch}: {samples} samples, loss {mean_loss:.4f}")
-        # the peers to compare with: those averaging this update, or any seen training this epoch or announced as
-        # training (a peer that updates alone, e.g. right after it joined, still has to agree with the others)
-        with self._lock:
-            announced = sum(1 for info in self._swarm_nodes.values() if info.get("training"))
-        self._after_step(update_of=max(opt.peers_in_last_update, self._epoch_peers, announced) if updated else 0)
+            # the peers to compare with: those averaging this update, or any seen training this epoch or announced
+            # as training (a peer that updates alone, e.g. right after it joined, still has to agree with the others)
+            self._after_step(update_of=max(opt.peers_in_last_update, self._epoch_peers, announced))
+        elif opt.local_epoch != epoch_before:
+            self._after_step(caught_up=self._agreement.check_download())
 
     def _idle(self) -> None:
         opt = self.optimizer
@@ -446,84 +378,32 @@ class TrainingNode:
         elif opt.tracker.global_epoch > opt.local_epoch:
             # the swarm moved on without us: take its state
             logger.info(f"Behind the swarm (epoch {opt.local_epoch} < {opt.tracker.global_epoch}); loading state")
-            self._load_state_from_peers()
-            self._after_step()
+            self._after_step(caught_up=self._agreement.load_state_from_peers())
 
-    def _after_step(self, update_of: int = 0) -> None:
+    def _after_step(self, update_of: int = 0, caught_up: bool = False) -> None:
         """Publish the parameters of a new epoch; after an update of `update_of` peers, agree with them."""
         if self.optimizer.local_epoch == self._epoch:
             return
-        snap = _make_snapshot(self.model, self.optimizer.local_epoch)
+        snap = make_snapshot(self.model, self.optimizer.local_epoch)
         if update_of > 0:
-            snap = self._reconcile(snap, update_of)
+            snap = self._agreement.after_update(snap, update_of)
+        elif caught_up:
+            self._agreement.vouch(snap)
         else:
-            self._recheck_epoch = None  # caught up from peers: nothing of its own to compare
+            self._agreement.forget()
         self._epoch = self.optimizer.local_epoch
         self._reset_epoch_accumulator()
         self._publish(snap)
 
-    def _reconcile(self, snap: Snapshot, peers: int) -> Snapshot:
-        """Peers that updated together compare parameter digests before they serve the new step.
-
-        A failed or timed-out averaging round leaves a peer with parameters of its own. Every peer publishes its
-        digest with its update priority; the peer with the highest priority among those of this epoch is the
-        reference, and a peer that differs from it loads the reference's state (hivemind downloads from the
-        peer of highest priority). Waits are bounded: a peer that does not publish within one averaging timeout
-        (a peer whose gradient round failed finishes that much later) is left out here, and `_recheck` catches
-        a reference that publishes later, until this node's next update.
-        """
-        opt, run_id = self.optimizer, self.config.swarm.run_id
-        epoch = snap.updates
-        self._my_record = dict(digest=snap.digest, priority=epoch + opt.update_priority)
-        swarm.publish_digest(self.dht, run_id, epoch, self.peer_id, **self._my_record)
-        self._recheck_epoch = epoch
-        if peers <= 1:
-            return snap
-        deadline = time.monotonic() + max(RECONCILE_WAIT_S, self.config.swarm.averaging_timeout_s)
-        while True:
-            records = swarm.list_digests(self.dht, run_id, epoch)
-            if len(records | {self.peer_id: None}) >= peers or time.monotonic() >= deadline:
-                break
-            if self._stop.wait(0.05):
-                return snap
-        return self._agree(snap, records)
-
-    def _recheck(self) -> None:
-        """Until its next update (before step calls, at most every RECHECK_EVERY_S): agree with a reference peer
-        that published its parameters after this node compared, or that this node did not know had taken part."""
+    def _recheck(self, force: bool) -> None:
+        """Serve the reference peer's parameters of this node's last update if it published after we compared."""
         snap = self._snapshot
-        if snap is None or snap.updates != self._recheck_epoch or time.monotonic() < self._next_recheck:
-            return
-        self._next_recheck = time.monotonic() + RECHECK_EVERY_S
-        agreed = self._agree(snap, swarm.list_digests(self.dht, self.config.swarm.run_id, snap.updates))
+        agreed = self._agreement.recheck(snap, force)
         if agreed is not snap:
             if agreed.updates != self._epoch:
                 self._epoch = agreed.updates
                 self._reset_epoch_accumulator()
             self._publish(agreed)
-
-    def _agree(self, snap: Snapshot, records: dict[str, dict]) -> Snapshot:
-        """`snap`, or the reference peer's parameters when they differ (then this node loads its state)."""
-        opt, epoch = self.optimizer, snap.updates
-        mine = self._my_record
-        others = {p: r for p, r in records.items() if p != self.peer_id and r["priority"] > mine["priority"]}
-        if not others:
-            return snap  # this node is the reference
-        reference_peer, reference = max(others.items(), key=lambda item: item[1]["priority"])
-        if reference["digest"] == snap.digest or self._stop.is_set():
-            return snap
-        logger.warning(f"update {epoch}: parameters differ from those of peer {reference_peer} "
-                       f"(an averaging round failed); loading its state")
-        self._load_state_from_peers()  # checked against what peers published, whichever epoch it lands on
-        snap = _make_snapshot(self.model, opt.local_epoch)
-        if snap.digest == reference["digest"]:
-            logger.info(f"update {epoch}: parameters now equal peer {reference_peer}'s")
-        else:
-            logger.info(f"update {epoch}: loaded the swarm's state of update {snap.updates}")
-        if snap.updates == epoch:
-            self._my_record = dict(digest=snap.digest, priority=mine["priority"])
-            swarm.publish_digest(self.dht, self.config.swarm.run_id, epoch, self.peer_id, **self._my_record)
-        return snap
 
     def _announce(self) -> None:
         self._last_announce = time.monotonic()
@@ -531,6 +411,7 @@ class TrainingNode:
         training = time.monotonic() - self._last_samples_at < TRAINING_RECENTLY_S
         info = {"step": self.step, "bridge_port": self.config.port, "maddrs": self.maddrs[:4], "training": training}
         swarm.announce(self.dht, run_id, self.peer_id, info)
+        self._agreement.keep_alive()
         nodes = swarm.list_nodes(self.dht, run_id)
         with self._lock:
             self._swarm_nodes = nodes
