@@ -1,11 +1,17 @@
 """Real multi-peer swarms on 127.0.0.1: lockstep training, late joiners, the CLI's lifecycle, checkpoints."""
 from __future__ import annotations
 
+import itertools
 import re
+import time
 
+import numpy as np
 import pytest
 
+from bridge import dgrd
+from node.swarm import NODES_TTL_S
 from tests.nodeproc import REPO, TINY_CONFIG, NodeProcess, new_run_id, pid_alive, wait_until
+from tests.test_bridge_semantics import submit
 
 TRAIN_TEXT = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 BATCH = 4  # --local-batch-size of every test node
@@ -36,6 +42,12 @@ def _start_swarm(n: int, args, run_id: str) -> list[NodeProcess]:
     return nodes
 
 
+def _print_logs(nodes):
+    """The nodes' logs, shown by pytest with a failing test (CI keeps the tail of its output)."""
+    for node in nodes:
+        print(f"===== node {node.name} =====\n{node.output()}")
+
+
 def _kill_all(nodes):
     for node in nodes:
         node.kill()
@@ -47,26 +59,34 @@ def test_peers_byte_identical_after_each_epoch(text_file, peers):
     nodes = _start_swarm(peers, _train_args(text_file, peers), new_run_id())
     epochs = 5
     try:
-        joined = max(min(n.digests()) for n in nodes)  # every node serves from here on
-
-        def common_steps():
-            steps = set.intersection(*(set(n.digests()) for n in nodes))
-            return sorted(s for s in steps if s > joined)
-
-        wait_until(lambda: len(common_steps()) >= epochs, 200, f"{epochs} epochs of {peers} peers", interval_s=1.0)
-        digests = [n.digests() for n in nodes]
-        for step in common_steps():
-            assert len({d[step] for d in digests}) == 1, f"step {step}: {[d[step][:12] for d in digests]}"
-        # the steps agree: every node serves every one of these steps (none skipped one)
-        for d in digests:
-            assert set(range(joined + 1, max(common_steps()) + 1)) <= set(d)
-        repaired = sum(n.output().count("parameters differ from those of peer") for n in nodes)
-        print(f"{len(common_steps())} epochs byte-identical across {peers} peers; "
-              f"{repaired} peer-updates repaired after a failed averaging round")
-        for node in nodes:
-            node.terminate()
+        _check_lockstep(nodes, peers, epochs)
+    except BaseException:
+        _print_logs(nodes)
+        raise
     finally:
         _kill_all(nodes)
+
+
+def _check_lockstep(nodes, peers: int, epochs: int) -> None:
+    joined = max(min(n.digests()) for n in nodes)  # every node serves from here on
+
+    def common_steps():
+        steps = set.intersection(*(set(n.digests()) for n in nodes))
+        return sorted(s for s in steps if s > joined)
+
+    wait_until(lambda: len(common_steps()) >= epochs, 200, f"{epochs} epochs of {peers} peers", interval_s=1.0)
+    digests = {n.name: n.digests() for n in nodes}
+    # every step two nodes both served has the same bytes on both (a node that fell behind may skip steps as it
+    # catches up, but never serves a step of its own)
+    for a, b in itertools.combinations(digests, 2):
+        for step in sorted(set(digests[a]) & set(digests[b])):
+            if step > joined:
+                assert digests[a][step] == digests[b][step], f"step {step} differs between {a} and {b}"
+    repaired = sum(n.output().count("parameters differ from those of peer") for n in nodes)
+    print(f"{len(common_steps())} epochs byte-identical across {peers} peers; "
+          f"{repaired} peer-updates repaired after a failed averaging round")
+    for node in nodes:
+        node.terminate()
 
 
 @pytest.mark.timeout(240)
@@ -85,6 +105,30 @@ def test_late_joiner_catches_up_before_serving(text_file):
         wait_until(lambda: all(first_step in n.digests() for n in nodes[:2]), 60, "the peers to publish that step")
         assert first_digest == nodes[0].digests()[first_step] == nodes[1].digests()[first_step]
         assert late.status()["step"] >= first_step
+    finally:
+        _kill_all(nodes)
+
+
+@pytest.mark.timeout(180)
+def test_joiner_of_an_idle_swarm_checks_its_download():
+    """Peers keep the digest of the step they serve in the DHT: a node joining a swarm that has been idle for
+    longer than a record's lifetime still checks what it downloaded, at once."""
+    run_id = new_run_id()
+    a = NodeProcess("A", ["--model-config", str(TINY_CONFIG), "--target-batch-size", "4"], run_id)
+    nodes = [a]
+    try:
+        a.wait_ready()
+        manifest = a.get_json("/api/v1/model/manifest")["tensors"]
+        gradient = np.full(manifest[0]["elements"], 0.01, np.float32)
+        status, body = submit(a, dgrd.encode(1, "browser-0", 3.0, 4, [(0, None, gradient)], flags=0))
+        assert status == 200, body
+        wait_until(lambda: 2 in a.digests(), 60, "A's update")
+        time.sleep(NODES_TTL_S + 2)  # every record published with the update has expired unless refreshed
+        b = NodeProcess("B", ["--model-config", str(TINY_CONFIG)], run_id, initial_peers=a.wait_ready())
+        nodes.append(b)
+        b.wait_ready()
+        assert "No peer published its parameters" not in b.output(), b.output()[-3000:]
+        assert min(b.digests().items()) == (2, a.digests()[2])
     finally:
         _kill_all(nodes)
 
