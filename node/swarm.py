@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
+import time
 from typing import Callable, Optional, Sequence
 
 import hivemind
@@ -150,8 +152,33 @@ def wait_for_swarm_progress(optimizer: hivemind.Optimizer, timeout_s: float) -> 
     return optimizer.tracker.fetched_global_progress_this_epoch.wait(timeout_s)
 
 
-def shutdown(optimizer: Optional[hivemind.Optimizer], dht: Optional[hivemind.DHT]) -> None:
-    """Idempotent: the training thread and a stopping main thread may both call it."""
+def shutdown(optimizer: Optional[hivemind.Optimizer], dht: Optional[hivemind.DHT],
+             timeout_s: Optional[float] = None) -> None:
+    """Idempotent: the training thread and a stopping main thread may both call it.
+
+    hivemind's own shutdown waits on an all-reduce in flight and then on each process's grace period in turn
+    (more than 15 s seen here). With `timeout_s` it gets that long; then hivemind's processes still alive are
+    terminated, which is what hivemind itself does when a grace period runs out.
+    """
+    if timeout_s is None:
+        _shut_down(optimizer, dht)
+        return
+    deadline = time.monotonic() + timeout_s
+    worker = threading.Thread(target=_shut_down, args=(optimizer, dht), name="dtrain-shutdown", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    averagers = (getattr(optimizer, "grad_averager", None), getattr(optimizer, "state_averager", None))
+    processes = [p for p in (*averagers, dht) if p is not None]
+    # another thread may be inside the graceful shutdown already: give it the same deadline
+    while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for process in processes:
+        if process.is_alive():
+            logger.warning(f"{type(process).__name__} did not shut down within {timeout_s:.0f}s; terminating it")
+            process.terminate()
+
+
+def _shut_down(optimizer: Optional[hivemind.Optimizer], dht: Optional[hivemind.DHT]) -> None:
     for part in (optimizer, dht):  # the DHT last: its shutdown also stops the p2pd child process
         if part is None or getattr(part, "_dtrain_shut_down", False):
             continue

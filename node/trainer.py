@@ -42,6 +42,7 @@ LATE_WINDOW_STEPS = 5  # packets for [step - 5, step] are accepted (Training API
 POLL_S = 0.25  # how often an idle training thread looks at the swarm's progress
 ANNOUNCE_EVERY_S = 3.0  # how often the node refreshes its record in the swarm's node list
 TRAINING_RECENTLY_S = 30.0  # a node that reported samples this recently announces itself as training
+SHUTDOWN_TIMEOUT_S = 5.0  # how long hivemind may take to leave the swarm when stopped under an update
 
 
 class StepMismatch(Exception):
@@ -129,8 +130,8 @@ class TrainingNode:
             self._thread.join(grace_s)
         if self._thread.is_alive():
             logger.warning("An update is still in flight; leaving the swarm without waiting for it")
-            swarm.shutdown(self.optimizer, self.dht)
-            self._thread.join(3.0)
+            swarm.shutdown(self.optimizer, self.dht, timeout_s=SHUTDOWN_TIMEOUT_S)
+            self._thread.join(2.0)
 
     def add_snapshot_listener(self, callback: Callable[[Snapshot], None]) -> None:
         """Called on the training thread after every new snapshot (split inference reloads its weights)."""
