@@ -16,11 +16,13 @@ import pytest
 from bridge import dgrd
 from node.config import ModelConfig
 from node.model import build_model
+from node.tokenizer import load_tokenizer
 from tests.nodeproc import REPO, TINY_CONFIG, NodeProcess, new_run_id, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
 TRAIN_TEXT = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+DATA_TEXT = TRAIN_TEXT.read_text()[:20_000]  # what data_node trains on and hands out
 TRAIN_CONFIG = {"learning_rate": 0.001, "beta1": 0.9, "beta2": 0.99, "eps": 1e-07, "weight_decay": 0.05,
                 "min_nodes_for_update": 1}
 SUBMIT = "/api/v1/train/submit"
@@ -61,7 +63,7 @@ def node(train_config_file):
 @pytest.fixture(scope="module")
 def data_node(tmp_path_factory, train_config_file):
     text = tmp_path_factory.mktemp("data") / "train.txt"
-    text.write_text(TRAIN_TEXT.read_text()[:20_000])
+    text.write_text(DATA_TEXT)
     proc = _start("data", ["--model-config", str(TINY_CONFIG), "--target-batch-size", "1",
                            "--train-config", str(train_config_file), "--train-data", str(text),
                            "--local-batch-size", "1", "--local-seq-len", "16"])
@@ -472,6 +474,7 @@ def test_data_batch_404_without_dataset(node):
 
 
 def test_data_batch(data_node):
+    stream = np.asarray(load_tokenizer(REPO / "static").encode(DATA_TEXT).ids, np.uint32)
     for query, (bs, seq_len) in (("", (8, 64)), ("?batch_size=3&seq_len=16", (3, 16)),
                                  ("?batch_size=1&seq_len=2", (1, 2))):
         a = request(data_node, "GET", "/api/v1/data/batch" + query)
@@ -480,9 +483,11 @@ def test_data_batch(data_node):
         assert a.headers["Content-Type"] == "application/octet-stream"
         assert (int(a.headers["X-Batch-Size"]), int(a.headers["X-Seq-Len"])) == (bs, seq_len)
         assert len(a.body) == bs * seq_len * 4
-        tokens = np.frombuffer(a.body, "<u4")
-        assert (tokens < 50257).all()
-        assert len(np.unique(tokens)) > 1
+        tokens = np.frombuffer(a.body, "<u4").reshape(bs, seq_len)
+        # every row is a window of the node's dataset: the text, tokenized as the node does
+        windows = np.lib.stride_tricks.sliding_window_view(stream, seq_len)
+        for row in tokens:
+            assert (windows == row).all(axis=1).any(), row
 
 
 @pytest.mark.parametrize("query, word", [
