@@ -116,7 +116,11 @@ class NodeProcess:
         return time.monotonic() - start
 
     def kill(self):
+        """SIGKILL the node and its children, except torch_shm_manager: it unlinks the node's shared-memory
+        tensors (/dev/shm/torch_*) once its clients are gone, and exits by itself; killed, it leaks them."""
         for pid in self.children():
+            if _comm(pid) == "torch_shm_manag":  # /proc comm: the first 15 characters
+                continue
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -128,6 +132,13 @@ class NodeProcess:
 
 def new_run_id() -> str:
     return f"test-{uuid.uuid4().hex[:8]}"
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def pid_alive(pid: int) -> bool:
