@@ -42,13 +42,13 @@ class Agreement:
     """One peer's side of the digest agreement; every method runs on the training thread."""
 
     def __init__(self, dht: hivemind.DHT, optimizer: hivemind.Optimizer, model: torch.nn.Module,
-                 config: SwarmConfig, stop: threading.Event):
+                 config: SwarmConfig, stop: threading.Event, seed_digest: str):
         self.dht, self.optimizer, self.model, self._stop = dht, optimizer, model, stop
         self.run_id, self.peer_id = config.run_id, str(dht.peer_id)
         # a peer whose gradient round failed matchmakes and waits out a state-averaging round too:
         # it may finish two averaging timeouts after the others
         self.wait_s = WAIT_MARGIN_S + config.matchmaking_time_s + 2 * config.averaging_timeout_s
-        self.seed_digest: Optional[str] = None  # the parameters of epoch 0 (the seeded model)
+        self.seed_digest = seed_digest  # the parameters of epoch 0 (the seeded model)
         self._records: dict[int, dict] = {}  # epoch -> what this peer published for it (the last KEEP_EPOCHS)
         self._update_epoch: Optional[int] = None  # the update of its own whose reference it keeps comparing with
         self._next_recheck = 0.0

@@ -164,12 +164,10 @@ def shutdown(optimizer: Optional[hivemind.Optimizer], dht: Optional[hivemind.DHT
         _shut_down(optimizer, dht)
         return
     deadline = time.monotonic() + timeout_s
-    worker = threading.Thread(target=_shut_down, args=(optimizer, dht), name="dtrain-shutdown", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
+    threading.Thread(target=_shut_down, args=(optimizer, dht), name="dtrain-shutdown", daemon=True).start()
     averagers = (getattr(optimizer, "grad_averager", None), getattr(optimizer, "state_averager", None))
     processes = [p for p in (*averagers, dht) if p is not None]
-    # another thread may be inside the graceful shutdown already: give it the same deadline
+    # wait for the processes, not the thread: another thread may be inside the graceful shutdown already
     while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
         time.sleep(0.1)
     for process in processes:

@@ -234,8 +234,7 @@ class TrainingNode:
             self.optimizer.state_averager.local_epoch = restored.epoch
             self.optimizer.tracker.report_local_progress(restored.epoch, 0)
 
-        self._agreement = Agreement(self.dht, self.optimizer, self.model, cfg.swarm, self._stop)
-        self._agreement.seed_digest = seed_digest
+        self._agreement = Agreement(self.dht, self.optimizer, self.model, cfg.swarm, self._stop, seed_digest)
         known_state = restored is not None  # bytes this node may vouch for: a checkpoint, or a checked download
         if cfg.swarm.initial_peers:
             swarm.wait_for_swarm_progress(self.optimizer, timeout_s=10.0)

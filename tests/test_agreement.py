@@ -21,6 +21,7 @@ EPOCH = 1  # the update both peers have just applied
 class Peer:
     def __init__(self, run_id: str, initial_peers=(), priority: float = 0.5):
         self.model = build_model(ModelConfig.load(TINY_CONFIG))
+        seed_digest = params_digest(self.model)
         self.config = SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), initial_peers=tuple(initial_peers),
                                   run_id=run_id, target_batch_size=64, matchmaking_time_s=1.0,
                                   request_timeout_s=0.5, averaging_timeout_s=2.0)
@@ -33,7 +34,7 @@ class Peer:
         self.opt.state_averager.state_sharing_priority = EPOCH + priority
         self.opt.tracker.report_local_progress(EPOCH, 0)
         self.stop = threading.Event()
-        self.agreement = Agreement(self.dht, self.opt, self.model, self.config, self.stop)
+        self.agreement = Agreement(self.dht, self.opt, self.model, self.config, self.stop, seed_digest)
 
     def snapshot(self):
         return make_snapshot(self.model, self.opt.local_epoch)

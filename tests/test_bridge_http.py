@@ -1,7 +1,7 @@
 """Training API v1 conformance over real HTTP: every endpoint, status code and header of the spec and NOTES.md.
 
-Two real nodes serve the whole module: `node` (no dataset, min_nodes_for_update 1, target batch 1: each
-accepted packet is one update) and `data_node` (started with --train-data, for /api/v1/data/batch).
+One real node serves the whole module: `node` (no dataset, min_nodes_for_update 1, target batch 1: each
+accepted packet is one update). A node with a dataset is in test_bridge_data.py.
 """
 from __future__ import annotations
 
@@ -16,13 +16,10 @@ import pytest
 from bridge import dgrd
 from node.config import ModelConfig
 from node.model import build_model
-from node.tokenizer import load_tokenizer
 from tests.nodeproc import REPO, TINY_CONFIG, NodeProcess, new_run_id, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
-TRAIN_TEXT = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
-DATA_TEXT = TRAIN_TEXT.read_text()[:20_000]  # what data_node trains on and hands out
 TRAIN_CONFIG = {"learning_rate": 0.001, "beta1": 0.9, "beta2": 0.99, "eps": 1e-07, "weight_decay": 0.05,
                 "min_nodes_for_update": 1}
 SUBMIT = "/api/v1/train/submit"
@@ -54,19 +51,6 @@ def train_config_file(tmp_path_factory):
 def node(train_config_file):
     proc = _start("http", ["--model-config", str(TINY_CONFIG), "--target-batch-size", "1",
                            "--train-config", str(train_config_file)])
-    try:
-        yield proc
-    finally:
-        proc.kill()
-
-
-@pytest.fixture(scope="module")
-def data_node(tmp_path_factory, train_config_file):
-    text = tmp_path_factory.mktemp("data") / "train.txt"
-    text.write_text(DATA_TEXT)
-    proc = _start("data", ["--model-config", str(TINY_CONFIG), "--target-batch-size", "1",
-                           "--train-config", str(train_config_file), "--train-data", str(text),
-                           "--local-batch-size", "1", "--local-seq-len", "16"])
     try:
         yield proc
     finally:
@@ -471,32 +455,6 @@ def test_losses_and_status(node):
 
 def test_data_batch_404_without_dataset(node):
     assert_error(request(node, "GET", "/api/v1/data/batch"), 404, "--train-data")
-
-
-def test_data_batch(data_node):
-    stream = np.asarray(load_tokenizer(REPO / "static").encode(DATA_TEXT).ids, np.uint32)
-    for query, (bs, seq_len) in (("", (8, 64)), ("?batch_size=3&seq_len=16", (3, 16)),
-                                 ("?batch_size=1&seq_len=2", (1, 2))):
-        a = request(data_node, "GET", "/api/v1/data/batch" + query)
-        assert a.status == 200
-        assert_plain_response(a)
-        assert a.headers["Content-Type"] == "application/octet-stream"
-        assert (int(a.headers["X-Batch-Size"]), int(a.headers["X-Seq-Len"])) == (bs, seq_len)
-        assert len(a.body) == bs * seq_len * 4
-        tokens = np.frombuffer(a.body, "<u4").reshape(bs, seq_len)
-        # every row is a window of the node's dataset: the text, tokenized as the node does
-        windows = np.lib.stride_tricks.sliding_window_view(stream, seq_len)
-        for row in tokens:
-            assert (windows == row).all(axis=1).any(), row
-
-
-@pytest.mark.parametrize("query, word", [
-    ("batch_size=0", "batch_size"), ("batch_size=-1", "batch_size"), ("batch_size=x", "batch_size"),
-    ("batch_size=257", "batch_size"), ("seq_len=1", "seq_len"), ("seq_len=65", "seq_len"),
-    ("seq_len=abc", "seq_len"), ("seq_len=2.5", "seq_len"),
-])
-def test_data_batch_400(data_node, query, word):
-    assert_error(request(data_node, "GET", "/api/v1/data/batch?" + query), 400, word)
 
 
 def test_static_missing_file_is_a_plain_404(node):
