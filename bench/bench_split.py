@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from aiohttp import web  # noqa: E402
 
 from bridge import http, split_routes  # noqa: E402
-from bridge.split_client import SplitClient  # noqa: E402
+from clients.split_client import SplitClient  # noqa: E402
 from node.config import DEFAULT_STATIC_DIR, ModelConfig  # noqa: E402
 from node.model import build_model  # noqa: E402
 from node.split.config import SplitConfig  # noqa: E402

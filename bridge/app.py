@@ -1,4 +1,7 @@
-"""The bridge's app factory: Training API v1, split inference and the static pages of one node."""
+"""The bridge's app factory: Training API v1, split inference and the static pages in front of one node.
+
+The composition root (`dtrain.cli`) builds the node's pieces and hands them in; the bridge builds none.
+"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,10 +14,11 @@ from bridge.http import ApiError
 from bridge.keys import CONFIG, DATASET, NODE, STATE, TOKENIZER, BridgeState
 from node.config import NodeConfig
 from node.data import TokenDataset
+from node.split.service import SplitService
 from node.trainer import TrainingNode
 
 
-def create_app(node: TrainingNode, config: NodeConfig, tokenizer=None,
+def create_app(node: TrainingNode, config: NodeConfig, split: Optional[SplitService] = None, tokenizer=None,
                dataset: Optional[TokenDataset] = None) -> web.Application:
     tensor_elements = tuple(t.elements for t in node.tensors)
     max_packet = dgrd.max_packet_bytes(tensor_elements)
@@ -23,7 +27,8 @@ def create_app(node: TrainingNode, config: NodeConfig, tokenizer=None,
     app[STATE] = BridgeState(tensor_elements=tensor_elements, max_packet_bytes=max_packet)
     http.install(app)
     training_routes.add_routes(app)
-    split_routes.setup(app, node, config, tokenizer)
+    if split is not None:
+        split_routes.add_routes(app, split)
     _add_pages(app, Path(config.static_dir))
     return app
 
@@ -54,11 +59,3 @@ def _file_handler(path: Path):
     async def handler(request: web.Request) -> web.FileResponse:
         return web.FileResponse(path)
     return handler
-
-
-async def start_bridge(node: TrainingNode, config: NodeConfig, tokenizer=None,
-                       dataset: Optional[TokenDataset] = None) -> web.AppRunner:
-    runner = web.AppRunner(create_app(node, config, tokenizer, dataset), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, config.host, config.port).start()
-    return runner

@@ -17,7 +17,6 @@ import asyncio
 import base64
 import binascii
 import json
-import logging
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,13 +24,14 @@ from typing import Any, Optional
 
 import numpy as np
 from aiohttp import WSCloseCode, WSMsgType, web
+from hivemind.utils.logging import get_logger
 
 from bridge.http import ApiError, read_body
-from node.split import service as split_service
 from node.split.engine import ForwardResult
-from node.split.service import SplitService
+from node.split.kv_cache import SplitError
+from node.split.service import HE_POLY_MODULUS_DEGREE, SplitService
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 SEND_TIMEOUT_S = 30.0  # bound on writing one answer to a slow client
 HEARTBEAT_S = 30.0  # aiohttp pings the client this often and drops it when the pong does not come
@@ -81,6 +81,38 @@ class ForwardRequest:
     incremental: bool
     expert_name: Optional[str]
     use_he: bool
+
+
+def config_message(service: SplitService) -> dict:
+    """The protocol's `config` message: the service's facts, and the URLs this bridge serves them at."""
+    facts, dp = service.facts, service.config.dp
+    if facts.embedding_tensor_id is not None:
+        embedding_url = f"/api/v1/model/tensor/{facts.embedding_tensor_id}"
+    else:
+        embedding_url = "/api/v1/split/embedding"
+    return {
+        "type": "config",
+        "model": facts.name,
+        "hidden_size": facts.hidden_size,
+        "vocab_size": facts.vocab_size,
+        "max_seq_len": facts.max_seq_len,
+        "embedding_tensor_id": facts.embedding_tensor_id,
+        "embedding_url": embedding_url,  # add ?format=f16 or f32
+        "tied_lm_head": facts.tied_lm_head,
+        "eos_token_id": facts.eos_token_id,
+        "lm_head_url": embedding_url if facts.tied_lm_head else "/api/v1/split/lm_head",
+        "experts": service.expert_names(),
+        "he": {
+            "available": service.he_available,
+            "scheme": "CKKS",
+            "poly_modulus_degree": HE_POLY_MODULUS_DEGREE if service.he_available else None,
+            # the node holds the secret key: CKKS protects LoRA intermediates, not data from the node
+            "protects": "LoRA intermediates in memory and between HE workers",
+        },
+        "dp": {"epsilon": dp.epsilon, "delta": dp.delta, "clip": dp.clip, "sigma": dp.sigma},
+        "max_frame_bytes": service.frame_limit_bytes,
+        "step": service.step,
+    }
 
 
 # ---- parsing (no I/O) -----------------------------------------------------------------------------------
@@ -189,7 +221,7 @@ async def handle_message(state: SplitState, payload: dict, default_type: Optiona
     if kind == "ping":
         return {"type": "pong"}
     if kind == "config":
-        return service.config_message()
+        return config_message(service)
     if kind == "tokenize":
         text = payload.get("text")
         if not isinstance(text, str):
@@ -249,7 +281,7 @@ async def _answer(state: SplitState, msg, limit: int) -> dict:
             raise RequestError(f"message of {len(msg.data)} characters exceeds the node's limit of {limit} bytes")
         payload = parse_json(msg.data)
         answer = await handle_message(state, payload)
-    except ValueError as e:  # RequestError and every SplitError (the engine's typed errors)
+    except (RequestError, SplitError) as e:  # the request's fault: answered, the socket stays open
         answer = error_message(e)
     except Exception as e:  # a bug of ours: log it, keep the socket
         logger.exception("split message failed: %s", e)
@@ -270,7 +302,7 @@ async def _http(request: web.Request, kind: str) -> web.Response:
         if payload.get("type", kind) != kind:
             raise RequestError(f"this route takes {kind!r} messages, got type {payload.get('type')!r}")
         answer = await handle_message(state, payload, default_type=kind)
-    except ValueError as e:  # RequestError and every SplitError
+    except (RequestError, SplitError) as e:
         raise SplitApiError(e) from None
     return web.json_response(answer)
 
@@ -284,7 +316,7 @@ async def http_tokenize(request: web.Request) -> web.Response:
 
 
 async def http_config(request: web.Request) -> web.Response:
-    return web.json_response(request.app[SPLIT].service.config_message())
+    return web.json_response(config_message(request.app[SPLIT].service))
 
 
 def _matrix_handler(which: str):
@@ -322,12 +354,6 @@ async def _close_sockets(app: web.Application) -> None:
             await asyncio.wait_for(ws.close(code=WSCloseCode.GOING_AWAY, message=b"node shutting down"), 5.0)
         except Exception as e:  # a dead peer must not stop the shutdown
             logger.info("closing a split socket failed: %r", e)
-
-
-def setup(app: web.Application, node, config, tokenizer: Any = None) -> None:
-    """Build the node's split service and add its routes (called by bridge.app.create_app)."""
-    service = split_service.for_node(node, config.split, tokenizer)
-    add_routes(app, service)
 
 
 def add_routes(app: web.Application, service: SplitService) -> None:

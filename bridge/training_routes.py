@@ -10,7 +10,11 @@ from aiohttp import web
 from bridge import dgrd
 from bridge.http import ApiError, int_param, read_body
 from bridge.keys import DATASET, NODE, STATE
-from node.trainer import StepMismatch
+from node.config import ModelConfig
+from node.contribution import Contribution, Section
+from node.model import TensorInfo
+from node.pool import StepMismatch
+from node.trainer import NodeStatus
 
 FORMATS = ("f16", "f32")
 MAX_BATCH_SIZE = 256  # sequences per /api/v1/data/batch answer
@@ -20,6 +24,38 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"ok": True})
 
 
+# ---- the node's typed records as the API spells them ---------------------------------------------------
+
+def model_config_block(config: ModelConfig) -> dict:
+    """The `config` block of `/api/v1/model/info`."""
+    keys = ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len")
+    return {k: getattr(config, k) for k in keys}
+
+
+def manifest_entry(t: TensorInfo) -> dict:
+    return {"id": t.id, "name": t.name, "shape": list(t.shape), "elements": t.elements,
+            "bytes_f32": t.elements * 4, "bytes_f16": t.elements * 2}
+
+
+def status_json(s: NodeStatus) -> dict:
+    body = dataclasses.asdict(s)
+    body["maddrs"] = list(s.maddrs)
+    body["samples_total"] = s.accepted_samples  # the dashboard's name for it
+    body["nodes"] = [{"peer_id": n.peer_id, "step": n.step, "bridge_port": n.bridge_port, "maddrs": list(n.maddrs),
+                      "training": n.training, "pending_samples": n.pending_samples} for n in s.nodes]
+    return body
+
+
+def contribution(packet: dgrd.Packet) -> Contribution:
+    """The node's input: a decoded, fully validated packet (the arrays are not copied)."""
+    return Contribution(
+        contributor=packet.node_id, step=packet.step, samples=packet.samples, loss=packet.train_loss,
+        sections=tuple(Section(s.tensor_id, s.indices, s.values, unique=s.unique) for s in packet.sections),
+    )
+
+
+# ---- routes ---------------------------------------------------------------------------------------------
+
 async def model_info(request: web.Request) -> web.Response:
     node = request.app[NODE]
     snap = node.snapshot()
@@ -27,8 +63,8 @@ async def model_info(request: web.Request) -> web.Response:
         "step": snap.step,
         "updates": snap.updates,
         "total_params": node.total_params,
-        "config": node.model_config.api_dict(),
-        "train": node.train_config.api_dict(),
+        "config": model_config_block(node.model_config),
+        "train": dataclasses.asdict(node.train_config),
     })
 
 
@@ -36,7 +72,7 @@ async def manifest(request: web.Request) -> web.Response:
     node = request.app[NODE]
     return web.json_response({
         "step": node.step,
-        "tensors": [t.manifest_entry() for t in node.tensors],
+        "tensors": [manifest_entry(t) for t in node.tensors],
     })
 
 
@@ -79,13 +115,7 @@ def _ingest(node, body: bytes, tensor_elements) -> int:
     except dgrd.PacketError as e:
         raise ApiError(400, f"malformed packet: {e}", server_step=node.step) from None
     try:
-        return node.submit(
-            node_id=packet.node_id,
-            packet_step=packet.step,
-            samples=packet.samples,
-            train_loss=packet.train_loss,
-            scatter=lambda sums, weight: dgrd.accumulate(packet, sums, weight),
-        )
+        return node.submit(contribution(packet))
     except StepMismatch as e:
         raise ApiError(409, "step mismatch; fetch latest model", server_step=e.server_step) from None
 
@@ -124,7 +154,7 @@ async def data_batch(request: web.Request) -> web.Response:
 
 
 async def swarm_status(request: web.Request) -> web.Response:
-    return web.json_response(request.app[NODE].status())
+    return web.json_response(status_json(request.app[NODE].status()))
 
 
 def config_file(name: str):

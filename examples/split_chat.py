@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from bridge.split_client import SplitClient  # noqa: E402
+from clients.split_client import SplitClient  # noqa: E402
 from node.tokenizer import load_tokenizer  # noqa: E402
 from node.config import DEFAULT_STATIC_DIR  # noqa: E402
 

@@ -36,7 +36,7 @@ def get_json(port: int, path: str):
 def start_node(name: str, args: list[str], log_dir: Path, initial_peers=()) -> tuple[subprocess.Popen, int, Path]:
     port = free_port()
     log = log_dir / f"node-{name}.log"
-    cmd = [sys.executable, "-m", "node.cli", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "dtrain.cli", "--host", "127.0.0.1", "--port", str(port),
            "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *args]
     if initial_peers:
         cmd += ["--initial-peers", *initial_peers]

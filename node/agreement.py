@@ -1,95 +1,175 @@
-"""Peers that update together serve byte-identical parameters.
+"""Every node serves the swarm's bytes for a step, and knows whether its own gradient is in them.
 
-A failed or timed-out averaging round leaves a peer with parameters of its own. After each update every peer
-publishes the sha256 of its parameters (`swarm.publish_digest`) with its state-sharing priority, the epoch plus
-a per-peer bonus in [0.5, 1) (`swarm.update_priority`). The peer of highest priority among those of an epoch is
-its reference; a peer that differs from it loads the reference's state before it serves the step (hivemind
-downloads from the peer of highest priority). A peer that made the update late, after the others had moved on,
-has a lower bonus (`swarm.late_priority`), so it follows them. A peer that only caught up publishes with the bare
-epoch: never a reference, but a record a joiner can check its download against. Every peer keeps its records of
-the last KEEP_EPOCHS epochs alive: a joiner of an idle swarm, or a late peer, compares at once.
+After an update every peer publishes a record for the new epoch in the DHT (`dtrain_{run_id}_digests_{epoch}`):
+the sha256 of its parameters, its state-sharing priority (`swarm.update_bonus`: a complete gradient round over a
+failed one over a late one, distinct per peer), the group whose gradients its update averaged, and whether it
+already serves those bytes. The rule:
 
-Every wait is bounded. A reference that publishes after a peer stopped waiting is caught by `recheck`, which
-the training thread calls before its step() calls, and always right before the next update.
+1. A peer whose gradient round completed waits (bounded) for the records of its group; it stops waiting as soon
+   as some peer serves the epoch. A peer whose round failed does not wait.
+2. The reference is the served record of highest priority if there is one, else the record of highest priority.
+   A peer serves the new step only with the reference's bytes: equal digests, or a download of the reference's
+   state checked against its digest. Until then it keeps serving the previous step.
+3. Its own gradient is in the swarm's update if it serves its own update's bytes, or if its round was complete
+   and the group of the update it serves holds it. Otherwise the node carries it into its next update
+   (`node.gradient`).
+
+A served record outranks any later one, so a peer that updates late (or alone after a failed round) follows the
+peers that already serve. Records of the last KEEP_EPOCHS epochs are kept alive: a joiner of an idle swarm checks
+its download at once. Downloads are checked against these records too: hivemind may label update e's state e + 1,
+and a state downloaded from a peer inside an update can be torn.
 """
 from __future__ import annotations
 
 import threading
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Optional
 
 import hivemind
 import torch
 from hivemind.utils.logging import get_logger
 
-from node import swarm
+from node import dht_records
 from node.config import SwarmConfig
 from node.snapshot import Snapshot, make_snapshot, params_digest
+from node.swarm import RoundOutcome, SwarmOptimizer
 
 logger = get_logger(__name__)
 
-WAIT_MARGIN_S = 5.0  # added to the longest an update can take when a peer waits for the digests of the others
+WAIT_MARGIN_S = 5.0  # added to the longest an update can take when a peer waits for the records of the others
+GROUP_MARGIN_S = 2.0  # added to one state-averaging round when a peer waits for the records of its group
 RECHECK_EVERY_S = 1.0
 LOAD_ATTEMPTS = 5  # downloads of the swarm's state until its bytes match what peers published
 KEEP_EPOCHS = 2  # this peer's records kept alive: the epoch it serves and the one before
 
 
-def _has_digest(records: dict[str, dict], digest: str) -> bool:
-    return any(r["digest"] == digest for r in records.values())
+@dataclass(frozen=True)
+class Record:
+    """One peer's parameters after one epoch."""
+
+    digest: str
+    priority: float  # its state-sharing priority: the epoch, plus a bonus when it made the update
+    group: tuple[str, ...] = ()  # the peers whose gradients its update averaged (empty: it only caught up)
+    clean: bool = False  # its gradient round completed
+    served: bool = False  # it serves these bytes
+
+    @classmethod
+    def parse(cls, raw: Mapping) -> Optional["Record"]:
+        try:
+            return cls(digest=str(raw["digest"]), priority=float(raw["priority"]),
+                       group=tuple(str(p) for p in raw.get("group", ())), clean=bool(raw.get("clean", False)),
+                       served=bool(raw.get("served", False)))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def as_dict(self) -> dict:
+        return dict(digest=self.digest, priority=self.priority, group=list(self.group), clean=self.clean,
+                    served=self.served)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a peer serves after an update, and whether that update applied its own gradient."""
+
+    snapshot: Snapshot
+    included: bool
+    reference: str  # the peer whose bytes it serves
+
+
+def reference_of(records: Mapping[str, Record]) -> Optional[tuple[str, Record]]:
+    """The peer whose bytes every peer serves for the epoch (rule 2 above)."""
+    served = {p: r for p, r in records.items() if r.served}
+    pool = served or records
+    if not pool:
+        return None
+    return max(pool.items(), key=lambda item: (item[1].priority, item[0]))
 
 
 class Agreement:
-    """One peer's side of the digest agreement; every method runs on the training thread."""
+    """One peer's side of the agreement; every method runs on the training thread."""
 
-    def __init__(self, dht: hivemind.DHT, optimizer: hivemind.Optimizer, model: torch.nn.Module,
-                 config: SwarmConfig, stop: threading.Event, seed_digest: str):
+    def __init__(self, dht: hivemind.DHT, optimizer: SwarmOptimizer, model: torch.nn.Module, config: SwarmConfig,
+                 stop: threading.Event, seed_digest: str):
         self.dht, self.optimizer, self.model, self._stop = dht, optimizer, model, stop
         self.run_id, self.peer_id = config.run_id, str(dht.peer_id)
         # a peer whose gradient round failed matchmakes and waits out a state-averaging round too:
         # it may finish two averaging timeouts after the others
         self.wait_s = WAIT_MARGIN_S + config.matchmaking_time_s + 2 * config.averaging_timeout_s
+        # the members of one complete gradient round publish within one state-averaging round of each other
+        self.group_wait_s = GROUP_MARGIN_S + config.matchmaking_time_s + config.averaging_timeout_s
         self.seed_digest = seed_digest  # the parameters of epoch 0 (the seeded model)
-        self._records: dict[int, dict] = {}  # epoch -> what this peer published for it (the last KEEP_EPOCHS)
-        self._update_epoch: Optional[int] = None  # the update of its own whose reference it keeps comparing with
+        self._records: dict[int, Record] = {}  # epoch -> what this peer published for it (the last KEEP_EPOCHS)
         self._next_recheck = 0.0
+
+    # ---- records ---------------------------------------------------------------------------------------------
+
+    def _key(self, epoch: int) -> str:
+        return f"dtrain_{self.run_id}_digests_{epoch}"
+
+    def records(self, epoch: int) -> dict[str, Record]:
+        parsed = {p: Record.parse(r) for p, r in dht_records.read(self.dht, self._key(epoch)).items()}
+        return {p: r for p, r in parsed.items() if r is not None}
+
+    def _others(self, epoch: int) -> dict[str, Record]:
+        return {p: r for p, r in self.records(epoch).items() if p != self.peer_id}
+
+    def _publish(self, epoch: int, record: Record) -> None:
+        self._records[epoch] = record
+        for old in sorted(self._records)[:-KEEP_EPOCHS]:
+            del self._records[old]
+        dht_records.store(self.dht, self._key(epoch), self.peer_id, record.as_dict())
+
+    def vouch(self, snap: Snapshot) -> None:
+        """Publish state this peer loaded and checked, or restored: a served record of its epoch, never a
+        reference over a peer that made the update."""
+        self._publish(snap.updates, Record(snap.digest, priority=float(snap.updates), served=True))
+
+    def keep_alive(self) -> None:
+        """Refresh this peer's latest records (records expire after dht_records.RECORD_TTL_S)."""
+        for epoch, record in self._records.items():
+            dht_records.store(self.dht, self._key(epoch), self.peer_id, record.as_dict())
 
     # ---- downloads -----------------------------------------------------------------------------------------
 
-    def load_state_from_peers(self) -> bool:
+    def load_state_from_peers(self, want_digest: Optional[str] = None) -> bool:
         """Download the swarm's parameters and optimizer state: bytes that peers published for the epoch they are
-        labelled with. False when no download could be checked that way (bounded attempts).
+        labelled with (or exactly `want_digest`). False when no download could be checked that way.
 
         A state downloaded while its peer is inside an update can be torn (stepped, not yet averaged), and hivemind
         labels a downloaded state with the swarm's next epoch when the swarm is one epoch ahead of it ("Catching
-        up with collaboration step"): the bytes of update e served as step e + 2. The digests peers publish tell
-        which epoch the bytes are; anything else is downloaded again. A failed download leaves this peer's own
-        bytes, so its own record never confirms one.
+        up with collaboration step"): the bytes of update e served as step e + 2. The records tell which epoch the
+        bytes are; anything else is downloaded again. A failed download leaves this peer's own bytes, so its own
+        record never confirms one.
         """
         opt = self.optimizer
         for attempt in range(LOAD_ATTEMPTS):
+            if self._stop.is_set():
+                return False
             logger.info("Loading the swarm's parameters and optimizer state from peers")
             opt.load_state_from_peers()
             epoch, digest = opt.local_epoch, params_digest(self.model)
+            if want_digest is not None and digest == want_digest:
+                return True
             if epoch == 0:  # the seeded model is the only state of epoch 0
-                if digest == self.seed_digest:
+                if digest == self.seed_digest and want_digest is None:
                     return True
-                logger.info("The downloaded state is labelled 0 but is not the seeded model (caught inside the "
-                            "first update); loading again")
+                logger.info("The downloaded state is labelled 0 but is not the one wanted; loading again")
                 continue
             deadline = time.monotonic() + self.wait_s  # the peers may still be finishing this update
             while not (published := self._others(epoch)) and time.monotonic() < deadline:
                 if self._stop.wait(0.1):
                     return False
-            if _has_digest(published, digest):
+            if _has_digest(published.values(), digest) and want_digest is None:
                 return True
-            if _has_digest(self._others(epoch - 1), digest):
+            if _has_digest(self._others(epoch - 1).values(), digest):
                 logger.info(f"The downloaded state is that of update {epoch - 1}, labelled {epoch}; loading again")
                 opt.state_averager.local_epoch = epoch - 1
             elif not published:
                 logger.warning(f"No peer published its parameters for update {epoch}; keeping the download")
                 return False
             else:
-                logger.info(f"The downloaded state is none that peers published for update {epoch} "
+                logger.info(f"The downloaded state is not the one peers serve for update {epoch} "
                             f"(caught inside an update); loading again")
         logger.warning("Could not download a state that agrees with what its peers published")
         return False
@@ -98,83 +178,76 @@ class Agreement:
         """State hivemind downloaded by itself inside step() ("Peer is out of sync"): kept when peers published its
         bytes for its epoch, else downloaded again through `load_state_from_peers`."""
         epoch, digest = self.optimizer.local_epoch, params_digest(self.model)
-        if (epoch == 0 and digest == self.seed_digest) or _has_digest(self._others(epoch), digest):
+        if (epoch == 0 and digest == self.seed_digest) or _has_digest(self._others(epoch).values(), digest):
             return True
         return self.load_state_from_peers()
 
-    def _others(self, epoch: int) -> dict[str, dict]:
-        records = swarm.list_digests(self.dht, self.run_id, epoch)
-        return {peer: r for peer, r in records.items() if peer != self.peer_id}
-
-    # ---- records ---------------------------------------------------------------------------------------------
-
-    def vouch(self, snap: Snapshot) -> None:
-        """Publish state this peer loaded and checked, or restored: a record of its epoch, never a reference."""
-        self._update_epoch = None
-        self._publish(snap, priority=snap.updates)
-
-    def forget(self) -> None:
-        """This peer serves state it could not check: nothing to publish or compare."""
-        self._update_epoch = None
-
-    def keep_alive(self) -> None:
-        """Refresh this peer's latest records (records expire after swarm.NODES_TTL_S)."""
-        for epoch, record in self._records.items():
-            swarm.publish_digest(self.dht, self.run_id, epoch, self.peer_id, **record)
-
-    def _publish(self, snap: Snapshot, priority: float) -> None:
-        self._records[snap.updates] = record = dict(digest=snap.digest, priority=priority)
-        for epoch in sorted(self._records)[:-KEEP_EPOCHS]:
-            del self._records[epoch]
-        swarm.publish_digest(self.dht, self.run_id, snap.updates, self.peer_id, **record)
-
     # ---- after an update -------------------------------------------------------------------------------------
 
-    def after_update(self, snap: Snapshot, peers: int) -> Snapshot:
-        """Publish this peer's parameters of a new update and agree with the `peers` peers that made it: returns
-        `snap`, or the reference's state when it differs. Waits at most `wait_s` for their records."""
+    def after_update(self, snap: Snapshot, outcome: RoundOutcome) -> Verdict:
+        """Publish this peer's parameters of a new update, agree on the epoch's bytes (rules 1-3), return what to
+        serve. Waits (at most `group_wait_s`) only for the members of a complete round's group: they all finished
+        the same gradient round, so their records come within one state-averaging round of each other. A peer whose
+        round failed waits for nobody: a served record outranks any later one, so later updaters follow it."""
         epoch = snap.updates
-        self._publish(snap, priority=self.optimizer.state_averager.state_sharing_priority)  # set by the update
-        self._update_epoch = epoch
-        if peers <= 1:
-            return snap
-        deadline = time.monotonic() + self.wait_s
+        mine = Record(snap.digest, self.optimizer.state_averager.state_sharing_priority,
+                      group=outcome.group, clean=outcome.clean)
+        self._publish(epoch, mine)
+        waiting_for = set(outcome.group) - {self.peer_id} if outcome.clean else set()
+        deadline = time.monotonic() + self.group_wait_s
         while True:
-            records = swarm.list_digests(self.dht, self.run_id, epoch)
-            # peers that updated (priority above the epoch), not those that only caught up to it
-            updaters = {p for p, r in records.items() if r["priority"] > epoch} | {self.peer_id}
-            if len(updaters) >= peers or time.monotonic() >= deadline:
+            records = self.records(epoch)
+            records[self.peer_id] = mine
+            if any(r.served for r in records.values()) or waiting_for <= records.keys():
+                break
+            if time.monotonic() >= deadline:
+                logger.info(f"update {epoch}: no record from {sorted(waiting_for - records.keys())} "
+                            f"within {self.group_wait_s:.0f}s")
                 break
             if self._stop.wait(0.05):
-                return snap
-        return self._agree(snap, records)
+                break
+        return self._serve(snap, mine, records)
+
+    def _serve(self, snap: Snapshot, mine: Record, records: dict[str, Record]) -> Verdict:
+        epoch = snap.updates
+        reference_peer, reference = reference_of(records)
+        # serving its own update's bytes, a peer serves its own gradient (averaged, or alone after a failed round);
+        # serving another's, only if that update's group held it and its own round completed
+        origin = max((r for r in records.values() if r.digest == reference.digest and r.group),
+                     key=lambda r: r.priority, default=reference)
+        included = reference.digest == snap.digest or (mine.clean and self.peer_id in origin.group)
+        if reference.digest != snap.digest and not self._stop.is_set():
+            logger.warning(f"update {epoch}: parameters differ from those peer {reference_peer} serves; "
+                           f"loading its state")
+            # follow: below the reference, so that downloads of the others come from it
+            self.optimizer.state_averager.state_sharing_priority = float(epoch)
+            self.load_state_from_peers(want_digest=reference.digest)
+            snap = make_snapshot(self.model, self.optimizer.local_epoch)
+            if snap.digest != reference.digest:
+                logger.warning(f"update {epoch}: could not load peer {reference_peer}'s state; serving the swarm's "
+                               f"state of update {snap.updates}")
+                included = False
+        if snap.updates == epoch:
+            self._publish(epoch, Record(snap.digest, self.optimizer.state_averager.state_sharing_priority,
+                                        group=mine.group, clean=mine.clean, served=True))
+        return Verdict(snap, included, reference_peer)
 
     def recheck(self, snap: Snapshot, force: bool = False) -> Snapshot:
-        """Until this peer's next update (at most every RECHECK_EVERY_S unless `force`d): agree with a reference
-        that published after this peer compared, or that it did not know had taken part. Forced right before the
-        next update: after it, a difference could no longer be repaired."""
-        if snap.updates != self._update_epoch or (not force and time.monotonic() < self._next_recheck):
+        """Until this peer's next update (at most every RECHECK_EVERY_S unless `force`d): follow a peer that served
+        the same epoch with a higher priority and other bytes, which only a race of two separate updates leaves."""
+        mine = self._records.get(snap.updates)
+        if mine is None or not mine.group or (not force and time.monotonic() < self._next_recheck):
             return snap
         self._next_recheck = time.monotonic() + RECHECK_EVERY_S
-        return self._agree(snap, swarm.list_digests(self.dht, self.run_id, snap.updates))
-
-    def _agree(self, snap: Snapshot, records: dict[str, dict]) -> Snapshot:
-        """`snap`, or the reference peer's parameters when they differ (then this peer loads its state)."""
-        epoch, mine = snap.updates, self._records[snap.updates]
-        others = {p: r for p, r in records.items() if p != self.peer_id and r["priority"] > mine["priority"]}
-        if not others:
-            return snap  # this peer is the reference
-        reference_peer, reference = max(others.items(), key=lambda item: item[1]["priority"])
-        if reference["digest"] == snap.digest or self._stop.is_set():
+        records = self.records(snap.updates)
+        records[self.peer_id] = mine
+        reference_peer, reference = reference_of(records)
+        if reference.digest == snap.digest or self._stop.is_set():
             return snap
-        logger.warning(f"update {epoch}: parameters differ from those of peer {reference_peer} "
-                       f"(an averaging round failed); loading its state")
-        self.load_state_from_peers()  # checked against what peers published, whichever epoch it lands on
-        snap = make_snapshot(self.model, self.optimizer.local_epoch)
-        if snap.digest == reference["digest"]:
-            logger.info(f"update {epoch}: parameters now equal peer {reference_peer}'s")
-        else:
-            logger.info(f"update {epoch}: loaded the swarm's state of update {snap.updates}")
-        if snap.updates == epoch:
-            self._publish(snap, priority=mine["priority"])
-        return snap
+        logger.warning(f"update {snap.updates}: peer {reference_peer} serves other bytes with a higher priority; "
+                       f"loading its state")
+        return self._serve(snap, mine, records).snapshot
+
+
+def _has_digest(records: Iterable[Record], digest: str) -> bool:
+    return any(r.digest == digest for r in records)

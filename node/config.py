@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from node.options import option
 from node.split.config import SplitConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -56,11 +57,6 @@ class ModelConfig:
     def load(cls, path: Path | str) -> "ModelConfig":
         return _from_mapping(cls, _read_json(path), str(path))
 
-    def api_dict(self) -> dict:
-        """The `config` block of `/api/v1/model/info`."""
-        keys = ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len")
-        return {k: getattr(self, k) for k in keys}
-
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -83,24 +79,30 @@ class TrainConfig:
     def load(cls, path: Path | str) -> "TrainConfig":
         return _from_mapping(cls, _read_json(path), str(path))
 
-    def api_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 @dataclass(frozen=True)
 class SwarmConfig:
-    """How the node joins the hivemind swarm and when the swarm steps."""
+    """How the node joins the hivemind swarm and when the swarm updates."""
 
-    initial_peers: Sequence[str] = ()  # multiaddrs of any running peer; empty starts a new swarm
-    host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",)  # where libp2p listens
-    announce_maddrs: Sequence[str] = ()  # addresses to advertise instead of the listening ones
-    identity_path: Optional[str] = None  # libp2p private key file: a stable peer id across restarts
-    run_id: str = "dtrain"  # swarm name: peers with the same run_id train together
-    target_batch_size: int = 1  # samples the swarm gathers per update; 1: every hand-over is one update (the spec's single server)
-    matchmaking_time_s: float = 5.0  # how long averaging waits to gather a group (must exceed request_timeout_s)
-    averaging_timeout_s: float = 30.0  # bound on one all-reduce round
-    request_timeout_s: float = 3.0  # bound on one averaging RPC
-    load_state_timeout_s: float = 120.0  # bound on downloading state from a peer
+    initial_peers: Sequence[str] = option((), "--initial-peers", "multiaddrs of running peers; none starts a new swarm",
+                                          nargs="+")  # any running peer's multiaddrs
+    host_maddrs: Sequence[str] = option(("/ip4/0.0.0.0/tcp/0",), "--host-maddrs", "libp2p listen multiaddrs",
+                                        nargs="+")  # where libp2p listens
+    announce_maddrs: Sequence[str] = option((), "--announce-maddrs", "multiaddrs to advertise to peers (behind NAT)",
+                                            nargs="+")  # addresses to advertise instead of the listening ones
+    identity_path: Optional[str] = option(None, "--identity-path",
+                                          "libp2p private key file for a stable peer id (created if missing)")
+    run_id: str = option("dtrain", "--run-id", "swarm name; peers with the same run id train together")
+    # an update begins once the swarm gathered this many samples (or they stopped growing for settle_s)
+    target_batch_size: int = option(1, "--target-batch-size",
+                                    "samples that start an update at once (1: any pending sample)")
+    settle_s: float = option(2.0, "--settle-time", "an update also begins once the swarm's pending samples stopped "
+                                                    "growing this long, seconds")  # keeps the pace when a peer leaves
+    matchmaking_time_s: float = option(5.0, "--matchmaking-time", "seconds to gather an averaging group "
+                                                                  "(must exceed --request-timeout)")
+    averaging_timeout_s: float = option(30.0, "--averaging-timeout", "bound on one all-reduce round, seconds")
+    request_timeout_s: float = option(3.0, "--request-timeout", "bound on one averaging RPC, seconds")
+    load_state_timeout_s: float = 120.0  # bound on downloading state from a peer, seconds
 
     def __post_init__(self):
         if self.matchmaking_time_s <= self.request_timeout_s:
@@ -110,25 +112,33 @@ class SwarmConfig:
             )
         if self.target_batch_size < 1:
             raise ConfigError("target_batch_size must be >= 1")
+        if not self.settle_s > 0:
+            raise ConfigError(f"settle_s must be > 0 seconds, got {self.settle_s!r}")
 
 
 @dataclass(frozen=True)
 class NodeConfig:
     """Everything one `dtrain-node` process runs with."""
 
-    host: str = "0.0.0.0"  # bridge HTTP listen address
-    port: int = 8095  # bridge HTTP port
-    static_dir: str = str(DEFAULT_STATIC_DIR)  # configs, tokenizer files and pages served under /static/
-    model_config: Optional[str] = None  # path; default <static_dir>/model_config.json
-    train_config: Optional[str] = None  # path; default <static_dir>/train_config.json
+    host: str = option("0.0.0.0", "--host", "bridge listen address")
+    port: int = option(8095, "--port", "bridge HTTP port")
+    static_dir: str = option(str(DEFAULT_STATIC_DIR), "--static-dir",
+                             "configs, tokenizer files and pages served under /static/")
+    model_config: Optional[str] = option(None, "--model-config",
+                                         "model config JSON (default <static-dir>/model_config.json)")
+    train_config: Optional[str] = option(None, "--train-config",
+                                         "optimizer config JSON (default <static-dir>/train_config.json)")
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
-    checkpoint_dir: Optional[str] = None  # where state is saved; None disables checkpoints
-    checkpoint_every: int = 10  # updates between checkpoints
-    train_data: Optional[str] = None  # local text file the node trains on itself and hands out as batches
-    local_batch_size: int = 8  # sequences per local training step
-    local_seq_len: int = 64  # tokens per sequence of local training and handed-out batches
-    local_samples_per_update: int = 0  # cap on own-data samples per update (0: none); then wait for the swarm
-    log_level: str = "INFO"
+    checkpoint_dir: Optional[str] = option(None, "--checkpoint-dir",
+                                           "save state here every --checkpoint-every updates and on shutdown")
+    checkpoint_every: int = option(10, "--checkpoint-every", "updates between checkpoints")
+    train_data: Optional[str] = option(None, "--train-data",
+                                       "local text file: the node trains on it and hands out batches")
+    local_batch_size: int = option(8, "--local-batch-size", "sequences per local training step")
+    local_seq_len: int = option(64, "--local-seq-len", "tokens per sequence of local training and handed-out batches")
+    local_samples_per_update: int = option(0, "--local-samples-per-update",
+                                           "own-data samples per update, then wait for the swarm (0: no cap)")
+    log_level: str = option("INFO", "--log-level", "DEBUG, INFO, WARNING")
     split: SplitConfig = field(default_factory=SplitConfig)  # split-inference options
 
     def model_config_path(self) -> Path:

@@ -46,16 +46,6 @@ class TensorInfo:
     shape: tuple[int, ...]
     elements: int
 
-    def manifest_entry(self) -> dict:
-        return {
-            "id": self.id,
-            "name": self.name,
-            "shape": list(self.shape),
-            "elements": self.elements,
-            "bytes_f32": self.elements * 4,
-            "bytes_f16": self.elements * 2,
-        }
-
 
 def tensor_infos(model: torch.nn.Module) -> tuple[TensorInfo, ...]:
     # named_parameters() already lists a tied weight (wte / lm_head) once

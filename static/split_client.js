@@ -152,7 +152,7 @@ export class SplitClient {
     return out;
   }
 
-  /** One token id from logits (greedy when temperature is 0); mirrors bridge/split_client.py `sample`. */
+  /** One token id from logits (greedy when temperature is 0); mirrors clients/split_client.py `sample`. */
   sample(logits, { temperature = 0, topK = 0, topP = 1.0, repetitionPenalty = 1.0, previousIds = [] } = {}) {
     if (repetitionPenalty !== 1.0 && previousIds.length) {
       logits = Float32Array.from(logits);

@@ -45,7 +45,7 @@ class NodeProcess:
                  env: Optional[dict] = None):
         self.name = name
         self.port = free_port()
-        cmd = [sys.executable, "-m", "node.cli", "--host", "127.0.0.1", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "dtrain.cli", "--host", "127.0.0.1", "--port", str(self.port),
                "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-id", run_id,
                "--matchmaking-time", "2.5", "--request-timeout", "1.0", "--averaging-timeout", "8"]
         if initial_peers:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bridge import dgrd
-from bridge.split_client import SplitClient
+from clients.split_client import SplitClient
 from node.config import ModelConfig
 from node.model import build_model
 from node.tokenizer import load_tokenizer

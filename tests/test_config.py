@@ -1,9 +1,10 @@
 """Configuration: files and flags map onto the dataclasses; bad values are clear errors."""
+import dataclasses
 import json
 
 import pytest
 
-from node.cli import parse_config
+from dtrain.flags import parse_config
 from node.config import ConfigError, ModelConfig, SwarmConfig, TrainConfig
 from node.model import build_model, embedding_tensor_id, tensor_infos
 from tests.nodeproc import REPO, TINY_CONFIG
@@ -13,7 +14,7 @@ def test_static_configs_load():
     model = ModelConfig.load(REPO / "static" / "model_config.json")
     train = TrainConfig.load(REPO / "static" / "train_config.json")
     assert model.vocab_size == 50257 and model.d_model % model.n_heads == 0
-    assert set(train.api_dict()) == {"learning_rate", "beta1", "beta2", "eps", "weight_decay", "min_nodes_for_update"}
+    assert set(dataclasses.asdict(train)) == {"learning_rate", "beta1", "beta2", "eps", "weight_decay", "min_nodes_for_update"}
 
 
 def test_default_model_is_browser_sized():

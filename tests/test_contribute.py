@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from bridge import dgrd
-from bridge.contribute import ContributeConfig, Contributor, main
+from clients.contribute import ContributeConfig, Contributor, main
 from tests.nodeproc import REPO, TINY_CONFIG, NodeProcess, new_run_id, wait_until
 
 pytestmark = pytest.mark.timeout(300)
@@ -121,7 +121,7 @@ def test_packet_and_error_feedback(mode, flags):
 
 def test_cli(node, files):
     before = _info(node)["step"]
-    out = subprocess.run([sys.executable, "-m", "bridge.contribute", "--node", node.url, "--data",
+    out = subprocess.run([sys.executable, "-m", "clients.contribute", "--node", node.url, "--data",
                           str(files / "train.txt"), "--mode", "compressed", "--steps", "2", "--batch-size", "1",
                           "--seq-len", "8", "--wait-update", "20"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -5,7 +5,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from bridge.relay import RelayConfig, _host_port, start
+from clients.relay import RelayConfig, _host_port, start
 
 PAYLOAD = os.urandom(3 * 1024 * 1024 + 17)  # larger than the relay's read buffer many times over
 

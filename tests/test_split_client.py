@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from bridge.split_client import SamplingConfig, SplitClient, apply_repetition_penalty, sample
+from clients.split_client import SamplingConfig, SplitClient, apply_repetition_penalty, sample
 from node.config import ModelConfig
 from node.model import build_model
 from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id

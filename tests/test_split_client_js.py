@@ -1,5 +1,5 @@
 """static/split_client.js (run under Node, HTTP transport) against a real node: greedy ids equal the
-Python reference client's (bridge.split_client.SplitClient), token for token."""
+Python reference client's (clients.split_client.SplitClient), token for token."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge.split_client import SplitClient
+from clients.split_client import SplitClient
 from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id
 
 REPO = Path(__file__).resolve().parents[1]

@@ -21,8 +21,8 @@ import torch
 from aiohttp import web
 
 from bridge import http, split_routes
-from bridge.split_client import AsyncSplitClient, SamplingConfig
-from node.cli import parse_config
+from clients.split_client import AsyncSplitClient, SamplingConfig
+from dtrain.flags import parse_config
 from node.config import ModelConfig
 from node.model import build_model
 from node.split.dp import clip_rows

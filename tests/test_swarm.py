@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from bridge import dgrd
-from node.swarm import NODES_TTL_S
+from node.dht_records import RECORD_TTL_S as NODES_TTL_S
 from tests.nodeproc import REPO, TINY_CONFIG, NodeProcess, new_run_id, pid_alive, wait_until
 from tests.test_bridge_semantics import submit
 

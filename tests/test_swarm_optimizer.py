@@ -21,12 +21,12 @@ def single_peer():
     reference = copy.deepcopy(model)
     config = SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), run_id=new_run_id(), target_batch_size=6,
                          matchmaking_time_s=1.0, request_timeout_s=0.5, averaging_timeout_s=5.0)
-    dht = swarm.create_dht(config)
-    opt = swarm.make_swarm_optimizer(dht, swarm.make_local_optimizer(model, TRAIN), config)
+    local_gradients = []  # the node's exact gradient, set by each test
+    handle = swarm.Swarm(config, swarm.make_local_optimizer(model, TRAIN), local_gradients=lambda: local_gradients)
     try:
-        yield model, reference, opt
+        yield model, reference, handle.optimizer, local_gradients
     finally:
-        swarm.shutdown(opt, dht)
+        handle.shutdown()
 
 
 def _gradient(model) -> list[torch.Tensor]:
@@ -54,9 +54,9 @@ def _assert_same_update(model, opt, reference, ref_opt):
 
 
 def test_one_peer_several_calls_apply_the_mean_gradient(single_peer):
-    model, reference, opt = single_peer
+    model, reference, opt, local_gradients = single_peer
     grads = _gradient(model)
-    opt.local_gradients = lambda: grads
+    local_gradients[:] = grads
     # the node's convention: before the k-th call of an epoch, .grad holds k * the mean gradient so far
     for calls in (1, 2, 3):
         with torch.no_grad():
@@ -68,7 +68,7 @@ def test_one_peer_several_calls_apply_the_mean_gradient(single_peer):
 
 
 def test_failed_gradient_round_applies_the_local_gradient(single_peer):
-    model, reference, opt = single_peer
+    model, reference, opt, local_gradients = single_peer
     grads = _gradient(model)
     with torch.no_grad():
         for p, g in zip(model.parameters(), grads):
@@ -78,7 +78,7 @@ def test_failed_gradient_round_applies_the_local_gradient(single_peer):
     # then fails, hivemind falls back to "local gradients"
     opt.grad_averager.reset_accumulated_grads_()
     assert all(not p.grad.any() for p in model.parameters())
-    opt.local_gradients = lambda: grads
+    local_gradients[:] = grads
     opt._load_local_gradients_into_optimizer()
     for p, g in zip(model.parameters(), grads):
         assert torch.equal(p.grad, g)

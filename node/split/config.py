@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from node.options import option
 from node.split.dp import DPConfig
 
 
@@ -12,15 +13,21 @@ from node.split.dp import DPConfig
 class SplitConfig:
     """How a node serves split inference; every field maps onto one `dtrain-node` flag."""
 
-    max_sessions: int = 32  # KV-cached sessions kept at once (LRU beyond this)
-    session_ttl_s: float = 300.0  # a session idle this long is forgotten, seconds
-    dp_clip: float = 1.0  # per-position L2 clipping bound C of the returned hidden state
-    dp_epsilon: float = 0.0  # Gaussian-mechanism epsilon per forward call; 0 turns clipping and noise off
-    dp_delta: float = 1e-5  # failure probability of the (epsilon, delta) guarantee
-    experts: tuple[tuple[str, str], ...] = ()  # (name, directory written by LoraExpert.save) per hosted expert
-    he: bool = True  # compute expert deltas under CKKS when a request asks for use_he
-    split_model: Optional[str] = None  # local transformers causal-LM directory to serve (frozen) instead of the shared model
-    max_frame_bytes: Optional[int] = None  # largest request accepted, bytes; None: enough for max_seq_len positions
+    max_sessions: int = option(32, "--split-max-sessions", "KV-cached split sessions kept at once (LRU beyond)")
+    session_ttl_s: float = option(300.0, "--split-session-ttl", "seconds an idle split session is kept")
+    dp_clip: float = option(1.0, "--dp-clip", "L2 clipping bound C of each returned hidden state")
+    dp_epsilon: float = option(0.0, "--dp-epsilon", "DP epsilon per forward call; 0 turns clipping and noise off")
+    dp_delta: float = option(1e-5, "--dp-delta", "DP delta: failure probability of the guarantee")
+    # (name, directory written by LoraExpert.save) per hosted expert
+    experts: tuple[tuple[str, str], ...] = option(
+        (), "--expert", "host a LoRA expert saved by LoraExpert.save / examples/train_expert.py (repeatable)",
+        action="append", metavar="NAME=PATH", dest="expert")
+    he: bool = option(True, "--no-he", "compute expert deltas in plaintext only (no CKKS keys)",
+                      action="store_false", dest="he")
+    split_model: Optional[str] = option(None, "--split-model", "serve this local transformers causal-LM directory "
+                                                               "(frozen) instead of the shared model", metavar="PATH")
+    max_frame_bytes: Optional[int] = option(None, "--split-max-frame-bytes", "largest split request, bytes "
+                                                                              "(default: enough for max_seq_len)")
     forward_timeout_s: float = 120.0  # bound on one forward call, seconds
     workers: int = 4  # threads running forward calls, so sessions proceed side by side
 

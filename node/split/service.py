@@ -74,36 +74,6 @@ class SplitService:
     def expert_names(self) -> list[str]:
         return self.experts.names()
 
-    def config_message(self) -> dict:
-        facts, dp = self.facts, self.config.dp
-        if facts.embedding_tensor_id is not None:
-            embedding_url = f"/api/v1/model/tensor/{facts.embedding_tensor_id}"
-        else:
-            embedding_url = "/api/v1/split/embedding"
-        return {
-            "type": "config",
-            "model": facts.name,
-            "hidden_size": facts.hidden_size,
-            "vocab_size": facts.vocab_size,
-            "max_seq_len": facts.max_seq_len,
-            "embedding_tensor_id": facts.embedding_tensor_id,
-            "embedding_url": embedding_url,  # add ?format=f16 or f32
-            "tied_lm_head": facts.tied_lm_head,
-            "eos_token_id": facts.eos_token_id,
-            "lm_head_url": embedding_url if facts.tied_lm_head else "/api/v1/split/lm_head",
-            "experts": self.expert_names(),
-            "he": {
-                "available": self.he_available,
-                "scheme": "CKKS",
-                "poly_modulus_degree": HE_POLY_MODULUS_DEGREE if self.he_available else None,
-                # the node holds the secret key: CKKS protects LoRA intermediates, not data from the node
-                "protects": "LoRA intermediates in memory and between HE workers",
-            },
-            "dp": {"epsilon": dp.epsilon, "delta": dp.delta, "clip": dp.clip, "sigma": dp.sigma},
-            "max_frame_bytes": self.frame_limit_bytes,
-            "step": self.step,
-        }
-
     def local_matrix(self, which: str) -> Optional[torch.Tensor]:
         """The split_model's `embedding` or `lm_head` [V, d] float32 (None for the shared model)."""
         return self._embedding if which == "embedding" else self._lm_head

@@ -1,0 +1,1 @@
+"""Programs that talk to a dtrain node: the reference contributor, the split-inference client and the relay."""

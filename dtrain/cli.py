@@ -1,0 +1,104 @@
+"""`dtrain-node`: the composition root. Parse flags into a NodeConfig, build the node's pieces (training node,
+split service, tokenizer, dataset) and hand them to the bridge. `node/` imports nothing of the bridge; the bridge
+constructs no node service."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from typing import Optional, Sequence
+
+from aiohttp import web
+from hivemind.utils.logging import get_logger, use_hivemind_log_handler
+
+from bridge.app import create_app
+from dtrain.flags import build_parser, parse_config  # noqa: F401 (build_parser: for --help tooling and tests)
+from node.config import ConfigError, ModelConfig, NodeConfig, TrainConfig
+
+logger = get_logger(__name__)
+
+
+def _print_join_hint(maddrs: Sequence[str]) -> None:
+    shown = [m for m in maddrs if "/ip4/127." not in m] or list(maddrs)
+    print("\nThis node's swarm is reachable at:", flush=True)
+    for m in maddrs:
+        print(f"  {m}", flush=True)
+    print("Join it from another machine with:", flush=True)
+    print(f"  dtrain-node --initial-peers {' '.join(shown)}\n", flush=True)
+
+
+async def _serve(config: NodeConfig) -> None:
+    from node.assets import ensure_tokenizer_files
+    from node.data import TokenDataset
+    from node.split.service import for_node
+    from node.tokenizer import load_tokenizer
+    from node.trainer import TrainingNode
+
+    model_config = ModelConfig.load(config.model_config_path())
+    train_config = TrainConfig.load(config.train_config_path())
+    ensure_tokenizer_files(config.static_dir)
+    tokenizer = load_tokenizer(config.static_dir)
+    dataset = TokenDataset.from_text_file(config.train_data, tokenizer) if config.train_data else None
+
+    node = TrainingNode(config, model_config, train_config, dataset)
+    logger.info(f"Model {model_config.name}: {node.total_params:,} parameters; joining the swarm")
+    node.start()  # on the main thread: hivemind's averagers install signal handlers
+    split = for_node(node, config.split, tokenizer)
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    app = create_app(node, config, split=split, tokenizer=tokenizer, dataset=dataset)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port).start()
+    _print_join_hint(node.maddrs)
+    logger.info(f"Bridge listening on http://{config.host}:{config.port}/ (step {node.step})")
+    watcher = asyncio.create_task(_stop_when_training_ends(node, stop))
+    try:
+        await stop.wait()
+    finally:
+        watcher.cancel()
+        logger.info("Shutting down")
+        await runner.cleanup()
+        await loop.run_in_executor(None, node.stop)
+        logger.info("Stopped")
+
+
+async def _stop_when_training_ends(node, stop: asyncio.Event) -> None:
+    while node.is_alive():
+        await asyncio.sleep(1.0)
+    logger.error("The training thread ended; shutting the node down")
+    stop.set()
+
+
+def run(config: NodeConfig) -> None:
+    asyncio.run(_serve(config))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    try:
+        config = parse_config(argv)
+    except (ConfigError, OSError, ValueError) as e:
+        print(f"dtrain-node: {e}", file=sys.stderr)
+        sys.exit(2)
+    use_hivemind_log_handler("in_root_logger")
+    logging.getLogger().setLevel(config.log_level.upper())
+    try:
+        run(config)
+    except ConfigError as e:
+        print(f"dtrain-node: {e}", file=sys.stderr)
+        sys.exit(2)
+    # The node has stopped: checkpoint written, swarm connection (and p2pd) shut down. Leave now rather than
+    # wait on hivemind's background threads, which can hang interpreter exit after an update was cut short.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

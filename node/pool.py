@@ -1,0 +1,103 @@
+"""Contributions accepted since the last hand-over: the only node state the bridge's threads write.
+
+Training API v1 hands a node's bridge gradient to the swarm once `min_nodes_for_update` distinct
+contributors have submitted. The pool checks each contribution's step against the late window, adds
+`samples * gradient` to the group being gathered, and when the group is complete queues it as one hand-over
+for the training thread to `take`. Nothing accepted leaves the pool except through `take`.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from node.contribution import Contribution, add_sections
+
+LATE_WINDOW_STEPS = 5  # packets for [step - 5, step] are accepted (Training API v1, "Late Submissions")
+
+
+class StepMismatch(Exception):
+    """A contribution's step is outside the accepted window; the client must fetch the latest model."""
+
+    def __init__(self, server_step: int):
+        super().__init__(f"step mismatch; fetch latest model (server step {server_step})")
+        self.server_step = server_step
+
+
+@dataclass
+class HandOver:
+    """Complete groups of contributions, summed: what the training thread adds to its pending gradient."""
+
+    sums: list[np.ndarray]  # per tensor: sum(samples_i * g_i), flat float32
+    samples: int = 0
+    loss_sum: float = 0.0  # sum(samples_i * loss_i)
+    packets: int = 0
+    contributors: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class PoolCounters:
+    accepted_packets: int  # every contribution answered 200
+    accepted_samples: int
+    contributors: int  # distinct contributors ever accepted
+    pending_contributors: int  # in the group being gathered (not yet handed over)
+
+
+class ContributionPool:
+    """Thread-safe: the bridge's worker threads `add`, the training thread `take`s."""
+
+    def __init__(self, tensor_elements: Sequence[int], min_contributors: int, current_step: Callable[[], int]):
+        self._elements = tuple(int(n) for n in tensor_elements)
+        self._min_contributors = min_contributors
+        self._current_step = current_step
+        self._lock = threading.Lock()
+        self._group = self._empty()  # the group being gathered
+        self._ready: deque[HandOver] = deque()  # complete groups not yet taken, oldest first
+        self._accepted_packets = 0
+        self._accepted_samples = 0
+        self._seen: set[str] = set()
+        self._on_ready: list[Callable[[], None]] = []
+
+    def _empty(self) -> HandOver:
+        return HandOver(sums=[np.zeros(n, dtype=np.float32) for n in self._elements])
+
+    def on_ready(self, callback: Callable[[], None]) -> None:
+        """Called (outside the lock) whenever a group is handed over: wakes the training thread."""
+        self._on_ready.append(callback)
+
+    def add(self, contribution: Contribution) -> int:
+        """Accept one validated contribution; returns the server step. Raises StepMismatch (nothing applied)."""
+        with self._lock:
+            step = self._current_step()
+            if not step - LATE_WINDOW_STEPS <= contribution.step <= step:
+                raise StepMismatch(step)
+            group = self._group
+            add_sections(group.sums, contribution.sections, float(contribution.samples))
+            group.samples += contribution.samples
+            group.loss_sum += contribution.samples * contribution.loss
+            group.packets += 1
+            group.contributors.add(contribution.contributor)
+            self._accepted_packets += 1
+            self._accepted_samples += contribution.samples
+            self._seen.add(contribution.contributor)
+            complete = len(group.contributors) >= self._min_contributors
+            if complete:
+                self._ready.append(group)
+                self._group = self._empty()
+        if complete:
+            for callback in self._on_ready:
+                callback()
+        return step
+
+    def take(self) -> Optional[HandOver]:
+        """The oldest complete group not yet taken; None when there is none."""
+        with self._lock:
+            return self._ready.popleft() if self._ready else None
+
+    def counters(self) -> PoolCounters:
+        with self._lock:
+            return PoolCounters(self._accepted_packets, self._accepted_samples, len(self._seen),
+                                len(self._group.contributors))
