@@ -272,6 +272,12 @@ def main():
         return
 
     named = gpt2_small_elements()
+    if args.http:  # the node's model: configs/gpt2-small.json (max_seq_len 512 positions)
+        import json
+        cfg = json.load(open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                          "configs", "gpt2-small.json")))
+        named = gpt2_small_elements(cfg["vocab_size"], cfg["d_model"], cfg["n_layers"], cfg["d_ff"],
+                                    cfg["max_seq_len"])
     elements = [n for _, n in named]
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
