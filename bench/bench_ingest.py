@@ -6,6 +6,12 @@ per-entry decoder runs on a slice of the packet (a few tensors) and its rate is 
 says which slice.
 
     python bench/bench_ingest.py [--density 0.01] [--dense-elements 10_000_000] [--repeats 5]
+    python bench/bench_ingest.py --http [--repeats 5]
+
+``--http`` measures what issue #12 asks for instead: the same packets (Mode 3 on every transformer block) POSTed one
+after another to a real ``dtrain-node`` (GPT-2 small), next to a ceiling measured in the same run: an aiohttp server
+in another process that only reads the body and answers JSON. It also reports the node's peak memory
+(VmHWM, what ``/usr/bin/time -v`` calls maximum resident set size) around 20 concurrent uploads.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # noqa: E402
 from bridge import dgrd  # noqa: E402
 
 
@@ -130,6 +136,124 @@ def pick(ids, size_of, budget):
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# --http: a real node next to the ceiling
+
+
+def serve_ceiling(port: int) -> None:
+    """The ceiling: read the whole body, answer the node's JSON. Nothing else."""
+    from aiohttp import web
+
+    async def submit(request):
+        await request.read()
+        return web.json_response({"ok": True, "message": "ok", "server_step": 1})
+    app = web.Application(client_max_size=1 << 30)
+    app.router.add_post("/api/v1/train/submit", submit)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+async def post_all(url: str, packets: list[bytes], concurrent: bool = False) -> list[float]:
+    """POST each packet on one keep-alive connection (or all at once); seconds per packet."""
+    import asyncio
+    import aiohttp
+    timeout = aiohttp.ClientTimeout(total=600)
+    limit = len(packets) if concurrent else 1
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=limit)) as session:
+        async def one(data: bytes) -> float:
+            t = time.perf_counter()
+            async with session.post(url, data=data,
+                                    headers={"Content-Type": "application/octet-stream"}) as r:
+                body = await r.json()
+                if r.status != 200 or not body.get("ok"):
+                    raise RuntimeError(f"POST {url}: {r.status} {body}")
+            return time.perf_counter() - t
+        if concurrent:
+            return list(await asyncio.gather(*(one(p) for p in packets)))
+        return [await one(p) for p in packets]
+
+
+def vm_kib(pid: int, field: str) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def http_main(args, cases) -> None:
+    import asyncio
+    import json
+    import subprocess
+    import tempfile
+    from pathlib import Path
+    from tests.nodeproc import NodeProcess, free_port, new_run_id, wait_until
+
+    repo = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory() as d:
+        # min_nodes_for_update never reached: every packet is accumulated and none triggers an AdamW update
+        train = json.loads((repo / "static" / "train_config.json").read_text())
+        train["min_nodes_for_update"] = 1_000_000
+        (Path(d) / "train.json").write_text(json.dumps(train))
+        node = NodeProcess("bench", ["--model-config", str(repo / "configs" / "gpt2-small.json"),
+                                     "--train-config", str(Path(d) / "train.json"),
+                                     "--target-batch-size", "1"], new_run_id())
+        port = free_port()
+        ceiling = subprocess.Popen([sys.executable, __file__, "--serve-ceiling", str(port)], cwd=repo)
+        try:
+            node.wait_ready(args.start_timeout)
+            step = node.get_json("/api/v1/model/info")["step"]
+            wait_until(lambda: _up(f"http://127.0.0.1:{port}/"), 30, "the ceiling server")
+            rows = []
+            for mode, data in cases:
+                data = _restep(data, step)
+                urls = (f"{node.url}/api/v1/train/submit", f"http://127.0.0.1:{port}/api/v1/train/submit")
+                best = {u: math.inf for u in urls}
+                for _ in range(args.repeats):  # interleaved: both see the same machine load
+                    for u in urls:
+                        best[u] = min(best[u], min(asyncio.run(post_all(u, [data] * 2))))
+                mb = len(data) / 1e6
+                rows.append((mode, mb, mb / best[urls[0]], mb / best[urls[1]]))
+            before_kib = vm_kib(node.proc.pid, "VmRSS")
+            hwm_before = vm_kib(node.proc.pid, "VmHWM")
+            burst = _restep(cases[0][1], step)
+            asyncio.run(post_all(f"{node.url}/api/v1/train/submit", [burst] * args.concurrent, concurrent=True))
+            hwm_after = vm_kib(node.proc.pid, "VmHWM")
+        finally:
+            node.kill()
+            ceiling.terminate()
+            ceiling.wait(10)
+
+    print(f"GPT-2 small (configs/gpt2-small.json), density {args.density:g}; each packet POSTed one after another "
+          f"on one keep-alive connection, best of {args.repeats} x 2, dtrain and ceiling interleaved in this run. "
+          f"{os.cpu_count()} CPUs, Python {platform.python_version()}, numpy {np.__version__}.\n")
+    print("| path | packet MB | dtrain MB/s | ceiling MB/s | ratio |")
+    print("|---|---:|---:|---:|---:|")
+    for mode, mb, ours, ceil in rows:
+        print(f"| Mode {mode} | {mb:.1f} | {ours:,.0f} | {ceil:,.0f} | {ours / ceil:.2f} |")
+    mb = len(burst) / 1e6
+    print(f"\nNode memory: RSS {before_kib / 1024:,.0f} MiB before a burst of {args.concurrent} concurrent "
+          f"{mb:.1f} MB uploads (Mode 1), peak (VmHWM) {hwm_before / 1024:,.0f} MiB before and "
+          f"{hwm_after / 1024:,.0f} MiB after it: +{(hwm_after - hwm_before) / 1024:,.0f} MiB for "
+          f"{args.concurrent * mb / 1.048576:,.0f} MiB of packets.")
+
+
+def _restep(data: bytes, step: int) -> bytes:
+    out = bytearray(data)
+    struct.pack_into("<I", out, 8, step)
+    return bytes(out)
+
+
+def _up(url: str) -> bool:
+    import urllib.error
+    import urllib.request
+    try:
+        urllib.request.urlopen(url, timeout=2)
+    except urllib.error.HTTPError:
+        return True  # it answered
+    except OSError:
+        return False
+    return True
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--density", type=float, default=0.01, help="fraction of entries kept (top-k)")
@@ -138,9 +262,22 @@ def main():
     ap.add_argument("--naive-entries", type=int, default=150_000,
                     help="entries the per-entry Python decoder gets (its slice)")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per mode; best is kept")
+    ap.add_argument("--http", action="store_true", help="POST to a real node next to the ceiling server")
+    ap.add_argument("--concurrent", type=int, default=20, help="--http: uploads in the memory burst")
+    ap.add_argument("--start-timeout", type=float, default=180.0, help="--http: seconds for the node to start")
+    ap.add_argument("--serve-ceiling", type=int, help=argparse.SUPPRESS)  # internal: run the ceiling server
     args = ap.parse_args()
+    if args.serve_ceiling:
+        serve_ceiling(args.serve_ceiling)
+        return
 
     named = gpt2_small_elements()
+    if args.http:  # the node's model: configs/gpt2-small.json (max_seq_len 512 positions)
+        import json
+        cfg = json.load(open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                          "configs", "gpt2-small.json")))
+        named = gpt2_small_elements(cfg["vocab_size"], cfg["d_model"], cfg["n_layers"], cfg["d_ff"],
+                                    cfg["max_seq_len"])
     elements = [n for _, n in named]
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
@@ -150,6 +287,8 @@ def main():
         _, idx, vals = dgrd.topk_sections([g], args.density)[0]
         sparse.append((tid, idx, vals))
     dense_ids = pick(range(2, len(elements)), lambda t: elements[t], args.dense_elements)
+    if args.http:  # the issue's Mode 3 row: every transformer block, dense
+        dense_ids = [t for t, (name, _) in enumerate(named) if ".h." in name]
     dense = [(tid, None, rng.standard_normal(elements[tid], dtype=np.float32) * np.float32(1e-2))
              for tid in dense_ids]
     gen_s = time.perf_counter() - t0
@@ -173,6 +312,10 @@ def main():
          dgrd.encode(1, "bench", 3.0, 8, [d for d in dense if d[0] in slice_dense], 0),
          span(slice_dense)),
     ]
+
+    if args.http:
+        http_main(args, [(mode.split()[0] + " " + mode.split(" ", 1)[1], data) for mode, data, _, _ in cases])
+        return
 
     accumulators = [np.ones(n, np.float32) for n in elements]  # touched: no page faults timed
     rows = []

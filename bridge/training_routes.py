@@ -18,6 +18,7 @@ from node.trainer import NodeStatus
 
 FORMATS = ("f16", "f32")
 MAX_BATCH_SIZE = 256  # sequences per /api/v1/data/batch answer
+SEND_CHUNK_BYTES = 1 << 20  # writes of a download when sendfile is not available: bounded transport buffer
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -97,15 +98,45 @@ async def tensor(request: web.Request) -> web.Response:
         raise ApiError(416, f"offset {offset} + count {count} is past the tensor's {elements} elements")
 
     snap = node.snapshot()  # one snapshot: every byte below is from snap.step
-    source = snap.f16 if fmt == "f16" else snap.f32
-    body = memoryview(source[tensor_id][offset:offset + count]).cast("B")  # a view: no copy of the tensor
-    return web.Response(body=body, content_type="application/octet-stream", headers={
+    headers = {
         "X-Model-Step": str(snap.step),
         "X-Tensor-Id": str(tensor_id),
         "X-Tensor-Offset": str(offset),
         "X-Tensor-Count": str(count),
         "X-Tensor-Format": fmt,
-    })
+    }
+    if fmt == "f16":
+        source, fobj, start = snap.f16[tensor_id], snap.f16_file, snap.f16_offsets[tensor_id] if snap.f16_offsets else 0
+    else:
+        source, fobj, start = snap.f32[tensor_id], snap.f32_file, snap.f32_offsets[tensor_id] if snap.f32_offsets else 0
+    body = memoryview(source[offset:offset + count]).cast("B")  # a view: no copy of the tensor
+    if fobj is None or not body.nbytes:
+        return web.Response(body=body, content_type="application/octet-stream", headers=headers)
+    return await _send_range(request, headers, fobj, start + offset * source.itemsize, body)
+
+
+async def _send_range(request: web.Request, headers: dict, fobj, offset_bytes: int, body: memoryview):
+    """Answer with bytes [offset_bytes, offset_bytes + body.nbytes) of the snapshot's file, sent by the kernel.
+
+    Measured on GPT-2 small, a Response(body=view) reached half the speed of aiohttp's static files: asyncio copies
+    whatever the socket does not take at once into the transport's buffer. sendfile() sends from the page cache as
+    FileResponse does. `body` is the same bytes as a view, written when sendfile is not available (TLS).
+    """
+    response = web.StreamResponse(headers=headers)
+    response.content_type = "application/octet-stream"
+    response.content_length = body.nbytes
+    writer = await response.prepare(request)  # StreamResponse sends its headers here, before the kernel's bytes
+    transport = request.transport
+    if transport is None:
+        raise ConnectionResetError("connection lost")
+    try:
+        # explicit offsets: concurrent downloads share fobj without seeking it (fallback=False: the fallback would)
+        await asyncio.get_running_loop().sendfile(transport, fobj, offset_bytes, body.nbytes, fallback=False)
+    except asyncio.SendfileNotAvailableError:  # raised before any byte is sent
+        for start in range(0, body.nbytes, SEND_CHUNK_BYTES):
+            await writer.write(body[start:start + SEND_CHUNK_BYTES])
+    await response.write_eof()
+    return response
 
 
 def _ingest(node, body: bytes, tensor_elements) -> int:
