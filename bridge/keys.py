@@ -7,6 +7,7 @@ from typing import Optional
 import numpy as np
 from aiohttp import web
 
+from bridge.http import DecodeGate
 from node.config import NodeConfig
 from node.data import TokenDataset
 from node.trainer import TrainingNode
@@ -17,6 +18,7 @@ class BridgeState:
     tensor_elements: tuple[int, ...]  # element count per tensor id, for DGRD validation
     max_packet_bytes: int  # 413 above this
     rng: np.random.Generator = field(default_factory=np.random.default_rng)
+    decode_gate: DecodeGate = field(default_factory=DecodeGate)  # bounds packets decoded at once (memory)
 
 
 NODE = web.AppKey("node", TrainingNode)

@@ -139,10 +139,11 @@ async def _send_range(request: web.Request, headers: dict, fobj, offset_bytes: i
     return response
 
 
-def _ingest(node, body: bytes, tensor_elements) -> int:
-    """Decode and validate the whole packet, then apply it; runs off the event loop."""
+def _ingest(node, body: bytes, state) -> int:
+    """Decode and validate the whole packet, then hand it to the node; runs off the event loop."""
     try:
-        packet = dgrd.decode(body, tensor_elements)
+        with state.decode_gate:
+            packet = dgrd.decode(body, state.tensor_elements)
     except dgrd.PacketError as e:
         raise ApiError(400, f"malformed packet: {e}", server_step=node.step) from None
     try:
@@ -155,7 +156,7 @@ async def submit(request: web.Request) -> web.Response:
     node, state = request.app[NODE], request.app[STATE]
     body = await read_body(request, state.max_packet_bytes)
     loop = asyncio.get_running_loop()
-    step = await loop.run_in_executor(None, _ingest, node, body, state.tensor_elements)
+    step = await loop.run_in_executor(None, _ingest, node, body, state)
     return web.json_response({"ok": True, "message": "ok", "server_step": step})
 
 

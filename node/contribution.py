@@ -18,7 +18,7 @@ class Section:
 
     tensor_id: int
     indices: Optional[np.ndarray]  # int64 flat element indices; None: dense
-    values: np.ndarray  # float32, one per index (or per element when dense)
+    values: np.ndarray  # float32 per index; a dense section may hold float16 (Mode 3 as it came off the wire)
     unique: bool = False  # indices strictly increasing (DGRD Mode 2): a plain indexed add, no np.add.at
 
     @property

@@ -10,9 +10,11 @@ nothing accepted is lost and nothing is applied twice.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
+
+from node.contribution import Contribution, add_sections
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,15 @@ class PendingGradient:
         self.loss_sum += loss_sum
         if local:
             self.local_samples += samples
+
+    def add_contributions(self, contributions: Iterable[Contribution]) -> None:
+        """Add each contribution weighted by its samples (validated by the bridge; sparse ones stay sparse)."""
+        views = [acc.numpy() for acc in self.sums]  # the same memory
+        for c in contributions:
+            add_sections(views, c.sections, float(c.samples))
+            self.samples += c.samples
+            self.packets += 1
+            self.loss_sum += c.samples * c.loss
 
     def mean(self) -> list[torch.Tensor]:
         """The samples-weighted mean gradient (zeros when empty): this peer's update when it averages alone."""

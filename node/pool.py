@@ -10,11 +10,9 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
-import numpy as np
-
-from node.contribution import Contribution, add_sections
+from node.contribution import Contribution
 
 LATE_WINDOW_STEPS = 5  # packets for [step - 5, step] are accepted (Training API v1, "Late Submissions")
 
@@ -29,13 +27,14 @@ class StepMismatch(Exception):
 
 @dataclass
 class HandOver:
-    """Complete groups of contributions, summed: what the training thread adds to its pending gradient."""
+    """One complete group of contributions: what the training thread adds to its pending gradient."""
 
-    sums: list[np.ndarray]  # per tensor: sum(samples_i * g_i), flat float32
-    samples: int = 0
-    loss_sum: float = 0.0  # sum(samples_i * loss_i)
-    packets: int = 0
+    contributions: list[Contribution] = field(default_factory=list)
     contributors: set[str] = field(default_factory=set)
+
+    @property
+    def samples(self) -> int:
+        return sum(c.samples for c in self.contributions)
 
 
 @dataclass(frozen=True)
@@ -49,20 +48,16 @@ class PoolCounters:
 class ContributionPool:
     """Thread-safe: the bridge's worker threads `add`, the training thread `take`s."""
 
-    def __init__(self, tensor_elements: Sequence[int], min_contributors: int, current_step: Callable[[], int]):
-        self._elements = tuple(int(n) for n in tensor_elements)
+    def __init__(self, min_contributors: int, current_step: Callable[[], int]):
         self._min_contributors = min_contributors
         self._current_step = current_step
         self._lock = threading.Lock()
-        self._group = self._empty()  # the group being gathered
+        self._group = HandOver()  # the group being gathered
         self._ready: deque[HandOver] = deque()  # complete groups not yet taken, oldest first
         self._accepted_packets = 0
         self._accepted_samples = 0
         self._seen: set[str] = set()
         self._on_ready: list[Callable[[], None]] = []
-
-    def _empty(self) -> HandOver:
-        return HandOver(sums=[np.zeros(n, dtype=np.float32) for n in self._elements])
 
     def on_ready(self, callback: Callable[[], None]) -> None:
         """Called (outside the lock) whenever a group is handed over: wakes the training thread."""
@@ -75,10 +70,7 @@ class ContributionPool:
             if not step - LATE_WINDOW_STEPS <= contribution.step <= step:
                 raise StepMismatch(step)
             group = self._group
-            add_sections(group.sums, contribution.sections, float(contribution.samples))
-            group.samples += contribution.samples
-            group.loss_sum += contribution.samples * contribution.loss
-            group.packets += 1
+            group.contributions.append(contribution)
             group.contributors.add(contribution.contributor)
             self._accepted_packets += 1
             self._accepted_samples += contribution.samples
@@ -86,7 +78,7 @@ class ContributionPool:
             complete = len(group.contributors) >= self._min_contributors
             if complete:
                 self._ready.append(group)
-                self._group = self._empty()
+                self._group = HandOver()
         if complete:
             for callback in self._on_ready:
                 callback()

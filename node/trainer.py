@@ -74,9 +74,8 @@ class TrainingNode:
         self.model = build_model(model_config)
         self.tensors: tuple[TensorInfo, ...] = tensor_infos(self.model)
         self.total_params = sum(t.elements for t in self.tensors)
-        elements = [t.elements for t in self.tensors]
-        self.pool = ContributionPool(elements, train_config.min_nodes_for_update, lambda: self.step)
-        self.gradient = PendingGradient(elements)
+        self.pool = ContributionPool(train_config.min_nodes_for_update, lambda: self.step)
+        self.gradient = PendingGradient([t.elements for t in self.tensors])
         self.swarm: Optional[Swarm] = None
         self.presence: Optional[Presence] = None
         self.agreement: Optional[Agreement] = None
@@ -248,7 +247,7 @@ class TrainingNode:
         # Alone, every hand-over is one update (the spec's single server); in a swarm, all that is ready goes into
         # the next update together.
         while (hand_over := self.pool.take()) is not None:
-            self.gradient.add(hand_over.sums, hand_over.samples, hand_over.loss_sum, packets=hand_over.packets)
+            self.gradient.add_contributions(hand_over.contributions)
             worked = True
             if self._alone():
                 self._step()
