@@ -1,6 +1,6 @@
-"""The digest agreement between two real peers in one process (real DHT, real hivemind state downloads): a
-peer whose parameters differ from the reference's after an update serves the reference's bytes, whether the
-reference published before it compared or only later."""
+"""The agreement between two real peers in one process (real DHT, real hivemind state downloads): after an update
+every peer serves the reference's bytes, a served record outranks a later one, and each peer knows whether its own
+gradient is in the bytes it serves."""
 from __future__ import annotations
 
 import threading
@@ -13,43 +13,43 @@ from node.agreement import Agreement
 from node.config import ModelConfig, SwarmConfig, TrainConfig
 from node.model import build_model
 from node.snapshot import make_snapshot, params_digest
+from node.swarm import RoundOutcome
 from tests.nodeproc import TINY_CONFIG, new_run_id
 
 EPOCH = 1  # the update both peers have just applied
 
 
 class Peer:
-    def __init__(self, run_id: str, initial_peers=(), priority: float = 0.5):
+    def __init__(self, run_id: str, initial_peers=(), bonus: float = 0.8):
         self.model = build_model(ModelConfig.load(TINY_CONFIG))
         seed_digest = params_digest(self.model)
         self.config = SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), initial_peers=tuple(initial_peers),
                                   run_id=run_id, target_batch_size=64, matchmaking_time_s=1.0,
                                   request_timeout_s=0.5, averaging_timeout_s=2.0)
-        self.dht = swarm.create_dht(self.config)
-        self.opt = swarm.make_swarm_optimizer(self.dht, swarm.make_local_optimizer(self.model, TrainConfig()),
-                                              self.config)
-        # as after update EPOCH: the epoch, and the state-sharing priority SwarmOptimizer gives an updater
-        self.opt.update_priority = priority
+        self.swarm = swarm.Swarm(self.config, swarm.make_local_optimizer(self.model, TrainConfig()),
+                                 local_gradients=lambda: [])
+        self.opt, self.peer_id = self.swarm.optimizer, self.swarm.peer_id
+        # as after update EPOCH: the epoch, and the state-sharing priority an updater has
         self.opt.state_averager.local_epoch = EPOCH
-        self.opt.state_averager.state_sharing_priority = EPOCH + priority
+        self.opt.state_averager.state_sharing_priority = EPOCH + bonus
         self.opt.tracker.report_local_progress(EPOCH, 0)
         self.stop = threading.Event()
-        self.agreement = Agreement(self.dht, self.opt, self.model, self.config, self.stop, seed_digest)
+        self.agreement = Agreement(self.swarm.dht, self.opt, self.model, self.config, self.stop, seed_digest)
 
     def snapshot(self):
         return make_snapshot(self.model, self.opt.local_epoch)
 
     def shutdown(self):
         self.stop.set()
-        swarm.shutdown(self.opt, self.dht)
+        self.swarm.shutdown()
 
 
 @pytest.fixture
 def peers():
     run_id = new_run_id()
-    reference = Peer(run_id, priority=0.9)
-    other = Peer(run_id, initial_peers=[str(a) for a in reference.dht.get_visible_maddrs()], priority=0.6)
-    with torch.no_grad():  # an averaging round that failed for `other`: its parameters are its own
+    reference = Peer(run_id, bonus=0.9)
+    other = Peer(run_id, initial_peers=reference.swarm.maddrs, bonus=0.75)
+    with torch.no_grad():  # rounding left `other` with parameters of its own
         next(other.model.parameters()).add_(1e-3)
     try:
         yield reference, other
@@ -58,51 +58,51 @@ def peers():
         reference.shutdown()
 
 
-def _records(peer):
-    return swarm.list_digests(peer.dht, peer.config.run_id, EPOCH)
-
-
-def test_peers_that_updated_together_serve_the_reference_bytes(peers):
+def test_peers_of_one_round_serve_the_reference_bytes_with_both_gradients(peers):
     reference, other = peers
+    group = tuple(sorted((reference.peer_id, other.peer_id)))
     ref_snap, other_snap = reference.snapshot(), other.snapshot()
     assert ref_snap.digest != other_snap.digest
-    agreed = {}
-    waiter = threading.Thread(target=lambda: agreed.update(ref=reference.agreement.after_update(ref_snap, 2)))
+    verdicts = {}
+    waiter = threading.Thread(target=lambda: verdicts.update(
+        ref=reference.agreement.after_update(ref_snap, RoundOutcome(EPOCH, group, clean=True, late=False))))
     waiter.start()
-    agreed["other"] = other.agreement.after_update(other_snap, 2)
+    verdicts["other"] = other.agreement.after_update(other_snap, RoundOutcome(EPOCH, group, clean=True, late=False))
     waiter.join(30)
-    assert agreed["ref"] is ref_snap  # the reference keeps its own parameters
-    assert agreed["other"].digest == ref_snap.digest == params_digest(other.model)
-    assert agreed["other"].updates == EPOCH
-    # Adam's moments came with the parameters
-    for p, q in zip(reference.model.parameters(), other.model.parameters()):
+    assert verdicts["ref"].snapshot is ref_snap  # the reference keeps its own parameters
+    assert verdicts["other"].snapshot.digest == ref_snap.digest == params_digest(other.model)
+    assert verdicts["other"].snapshot.updates == EPOCH
+    assert verdicts["ref"].included and verdicts["other"].included  # one round: both gradients are in it
+    for p, q in zip(reference.model.parameters(), other.model.parameters()):  # Adam's moments came along
         ref_state = reference.opt.state_averager.optimizer.state[p]
         other_state = other.opt.state_averager.optimizer.state[q]
         assert torch.equal(ref_state["exp_avg_sq"], other_state["exp_avg_sq"])
-    # what both published for the epoch is now one digest, each with its own priority
-    records = _records(reference)
-    assert {r["digest"] for r in records.values()} == {ref_snap.digest}
-    assert sorted(r["priority"] for r in records.values()) == [EPOCH + 0.6, EPOCH + 0.9]
+    records = reference.agreement.records(EPOCH)
+    assert {r.digest for r in records.values()} == {ref_snap.digest}
+    assert all(r.served for r in records.values())
 
 
-def test_a_reference_that_publishes_late_is_caught_before_the_next_update(peers):
+def test_a_served_update_outranks_a_later_one_which_carries_its_gradient(peers):
     reference, other = peers
     other_snap = other.snapshot()
-    # `other` thought it updated alone: it published and compared with nobody
-    assert other.agreement.after_update(other_snap, 1) is other_snap
-    assert other.agreement.recheck(other_snap, force=True) is other_snap  # nothing to compare with yet
-    ref_snap = reference.snapshot()
-    reference.agreement.after_update(ref_snap, 1)
-    agreed = other.agreement.recheck(other_snap, force=True)
-    assert agreed.digest == ref_snap.digest == params_digest(other.model)
-    assert {r["digest"] for r in _records(other).values()} == {ref_snap.digest}
+    # `other`'s gradient round failed: it updated with its own gradient, and serves it (it waits for nobody)
+    failed = RoundOutcome(EPOCH, (other.peer_id,), clean=False, late=False)
+    verdict = other.agreement.after_update(other_snap, failed)
+    assert verdict.snapshot is other_snap and verdict.included
+    # the higher-priority peer publishes later, from a round without `other`: it follows the served bytes
+    alone = RoundOutcome(EPOCH, (reference.peer_id,), clean=True, late=False)
+    verdict = reference.agreement.after_update(reference.snapshot(), alone)
+    assert verdict.snapshot.digest == other_snap.digest == params_digest(reference.model)
+    assert verdict.reference == other.peer_id
+    assert not verdict.included  # its gradient is not in `other`'s update: the node carries it
+    assert other.agreement.recheck(other_snap, force=True) is other_snap
 
 
 def test_a_failed_download_is_not_confirmed_by_the_own_record(peers):
     reference, other = peers
     other_snap = other.snapshot()
     other.agreement.vouch(other_snap)  # its own record of this epoch is in the DHT
-    assert set(_records(other)) == {other.agreement.peer_id}
+    assert set(other.agreement.records(EPOCH)) == {other.agreement.peer_id}
     reference.shutdown()  # the download finds no peer and leaves `other` with its own bytes
     assert other.agreement.load_state_from_peers() is False
     assert params_digest(other.model) == other_snap.digest

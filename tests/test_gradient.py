@@ -1,0 +1,68 @@
+"""PendingGradient: exact samples-weighted sums, the .grad convention hivemind's accumulator needs, and carrying."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from node.contribution import Contribution, Section
+from node.gradient import PendingGradient
+
+ELEMENTS = (6, 4)
+
+
+def _contribution(samples: int, loss: float, dense: np.ndarray, idx, vals) -> Contribution:
+    return Contribution("c", 1, samples, loss, (
+        Section(0, None, dense.astype(np.float32)),
+        Section(1, np.asarray(idx, np.int64), np.asarray(vals, np.float32)),  # Mode 1: repeats add up
+    ))
+
+
+def test_contributions_are_weighted_by_samples():
+    g = PendingGradient(ELEMENTS)
+    g.add_contributions([
+        _contribution(2, 3.0, np.arange(6), [0, 0, 3], [1.0, 2.0, -1.0]),
+        _contribution(6, 1.0, np.ones(6), [2], [0.5]),
+    ])
+    assert (g.samples, g.packets) == (8, 2)
+    assert torch.equal(g.sums[0], torch.tensor(2 * np.arange(6) + 6 * np.ones(6), dtype=torch.float32))
+    assert torch.equal(g.sums[1], torch.tensor([6.0, 0.0, 3.0, -2.0]))
+    mean = g.mean()
+    assert torch.allclose(mean[1], torch.tensor([0.75, 0.0, 0.375, -0.25]))
+    applied = g.settle()
+    assert (applied.samples, applied.packets) == (8, 2)
+    assert applied.mean_loss == (2 * 3.0 + 6 * 1.0) / 8
+
+
+def test_write_grads_scales_by_calls_over_samples():
+    g = PendingGradient(ELEMENTS)
+    g.add([torch.full((6,), 4.0), torch.full((4,), -8.0)], samples=4, loss_sum=0.0)
+    params = [torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(4))]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    g.write_grads(params, calls=3)
+    assert torch.equal(params[0].grad, torch.full((2, 3), 3.0))  # 4 * 3 / 4
+    assert torch.equal(params[1].grad, torch.full((4,), -6.0))
+
+
+def test_carry_keeps_everything_and_counts_once():
+    g = PendingGradient(ELEMENTS)
+    g.add_contributions([_contribution(3, 2.0, np.ones(6), [1], [1.0])])
+    before = [s.clone() for s in g.sums]
+    g.carry()
+    g.carry()  # missing two updates counts its samples once
+    assert all(torch.equal(a, b) for a, b in zip(before, g.sums))
+    g.add_contributions([_contribution(1, 2.0, np.ones(6), [1], [1.0])])
+    counters = g.counters()
+    assert (counters.carried_samples, counters.carried_packets, counters.pending_samples) == (3, 1, 4)
+    g.settle()
+    counters = g.counters()
+    assert (counters.applied_samples, counters.applied_packets, counters.pending_samples) == (4, 2, 0)
+    assert all(not s.any() for s in g.sums)
+
+
+def test_local_allowance_starts_again_after_a_missed_update():
+    g = PendingGradient(ELEMENTS)
+    g.add([torch.ones(6), torch.ones(4)], samples=4, loss_sum=4.0, local=True)
+    assert g.local_samples == 4
+    g.carry()
+    assert g.local_samples == 0 and g.samples == 4
