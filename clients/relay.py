@@ -12,8 +12,9 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Optional
+from hivemind.utils.logging import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 DEFAULT_BUFFER_BYTES = 64 * 1024
 

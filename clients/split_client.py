@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import logging
 import uuid
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import aiohttp
 import numpy as np
+from hivemind.utils.logging import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 RESTART_CODES = ("stale_session", "no_session")  # the node lost or refused the session: resend everything
 

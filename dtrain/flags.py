@@ -106,3 +106,25 @@ def _convert(f: dataclasses.Field, value: Any) -> Any:
     if f.metadata["argparse"].get("nargs"):
         return (value,) if isinstance(value, str) else tuple(value)
     return value
+
+
+def markdown_table() -> str:
+    """The README's configuration reference, one row per flag (`python -m dtrain.flags` prints it)."""
+    rows = ["| flag | default | meaning |", "|---|---|---|"]
+    for _, cls, _ in SECTIONS:
+        for f in flag_fields(cls):
+            default = f.default
+            if f.name == "static_dir":
+                default = "static/"
+            shown = "none" if default in (None, ()) else f"`{_show(default)}`"
+            if f.metadata["argparse"].get("action") == "store_false":
+                shown = ""
+            flag = f.metadata["flag"]
+            if f.metadata["argparse"].get("metavar"):
+                flag += f" {f.metadata['argparse']['metavar']}"
+            rows.append(f"| `{flag}` | {shown} | {f.metadata['help']} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

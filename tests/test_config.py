@@ -64,3 +64,19 @@ def test_unknown_yaml_option_is_refused(tmp_path):
     path.write_text("prot: 9000\n")
     with pytest.raises(ConfigError, match="unknown option"):
         parse_config(["--config", str(path)])
+
+
+def test_readme_flag_table_is_the_dataclasses():
+    from dtrain.flags import markdown_table
+
+    readme = (REPO / "README.md").read_text()
+    table = readme.split("<!-- flags -->\n", 1)[1].split("\n<!-- /flags -->", 1)[0]
+    assert table == markdown_table()
+
+
+def test_every_flag_reaches_its_field():
+    config = parse_config(["--settle-time", "4", "--matchmaking-time", "6", "--no-he", "--expert", "x=/tmp/x",
+                           "--local-samples-per-update", "3", "--dp-epsilon", "2"])
+    assert config.swarm.settle_s == 4.0 and config.swarm.matchmaking_time_s == 6.0
+    assert config.split.he is False and config.split.experts == (("x", "/tmp/x"),)
+    assert config.local_samples_per_update == 3 and config.split.dp_epsilon == 2.0

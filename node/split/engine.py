@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import secrets
 import threading
 import time
@@ -28,8 +27,9 @@ from node.split.dp import DPConfig
 from node.split.experts import ExpertRegistry, UnknownExpertError
 from node.split.he import HEContext, HEError, he_lora_delta
 from node.split.kv_cache import KVCacheStore, SessionCache, SessionIdError, SplitError, check_session_id
+from hivemind.utils.logging import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 __all__ = [
     "ForwardResult",

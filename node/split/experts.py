@@ -8,7 +8,6 @@ and the adapter file format (`save_pretrained` / `from_pretrained`, local direct
 from __future__ import annotations
 
 import json
-import logging
 import threading
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
@@ -20,8 +19,9 @@ from torch import nn
 from transformers import GPT2LMHeadModel
 
 from node.split.kv_cache import SplitError
+from hivemind.utils.logging import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 EXPERT_META_FILE = "expert.json"  # next to peft's adapter files: the name and shape peft does not record
 _TARGET = "proj"

@@ -15,7 +15,6 @@ Each ciphertext is decrypted once, and `B (A h) * scale` is finished in plaintex
 """
 from __future__ import annotations
 
-import logging
 import math
 import threading
 import time
@@ -25,8 +24,9 @@ import numpy as np
 import tenseal.sealapi as seal
 
 from node.split.kv_cache import SplitError
+from hivemind.utils.logging import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class HEError(SplitError):

@@ -9,7 +9,6 @@ split module (and the engine, which re-exports it) raises subclasses of it.
 """
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import weakref
@@ -17,8 +16,9 @@ from collections import OrderedDict
 from typing import Callable, NamedTuple, Optional
 
 from transformers import DynamicCache
+from hivemind.utils.logging import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 MAX_SESSION_ID_CHARS = 128
 

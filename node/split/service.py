@@ -11,7 +11,6 @@ The service never imports the bridge; the bridge turns its typed errors into ans
 """
 from __future__ import annotations
 
-import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +25,9 @@ from node.split.engine import ForwardResult, SplitEngine
 from node.split.experts import ExpertRegistry, LoraExpert
 from node.split.he import HEContext
 from node.split.kv_cache import KVCacheStore
+from hivemind.utils.logging import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 HE_POLY_MODULUS_DEGREE = 8192  # 4096 slots: a 4096-wide hidden state still fits one block
 

@@ -1,0 +1,68 @@
+"""TrainingNode in this process, alone in its swarm: a contribution's whole path from `submit` to the served
+snapshot, as the spec's single server, with nothing but the node (no bridge, no subprocess)."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from node.config import ModelConfig, NodeConfig, SwarmConfig, TrainConfig
+from node.contribution import Contribution, Section
+from node.pool import StepMismatch
+from node.snapshot import params_digest
+from node.trainer import TrainingNode
+from tests.nodeproc import TINY_CONFIG, new_run_id, wait_until
+
+TRAIN = TrainConfig(min_nodes_for_update=2)
+
+
+@pytest.fixture
+def node():
+    config = NodeConfig(swarm=SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), run_id=new_run_id()))
+    node = TrainingNode(config, ModelConfig.load(TINY_CONFIG), TRAIN)
+    node.start()
+    try:
+        yield node
+    finally:
+        node.stop()
+
+
+def _gradient(node, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.normal(scale=0.01, size=t.elements).astype(np.float32) for t in node.tensors]
+
+
+def _dense(contributor: str, step: int, samples: int, loss: float, grads) -> Contribution:
+    return Contribution(contributor, step, samples, loss, tuple(Section(i, None, g) for i, g in enumerate(grads)))
+
+
+def test_two_contributors_make_one_exact_adamw_update(node):
+    reference = copy.deepcopy(node.model)
+    assert node.step == 1 and node.snapshot().digest == params_digest(reference)
+    g1, g2 = _gradient(node, 1), _gradient(node, 2)
+    assert node.submit(_dense("a", 1, 3, 2.0, g1)) == 1
+    assert node.status().pending_contributors == 1 and node.step == 1  # min_nodes_for_update is 2
+    node.submit(_dense("b", 1, 1, 6.0, g2))
+    wait_until(lambda: node.step == 2, 30, "the update")
+
+    opt = torch.optim.AdamW(reference.parameters(), lr=TRAIN.learning_rate, betas=(TRAIN.beta1, TRAIN.beta2),
+                            eps=TRAIN.eps, weight_decay=TRAIN.weight_decay)
+    for p, a, b in zip(reference.parameters(), g1, g2):
+        p.grad = ((torch.from_numpy(a) * 3 + torch.from_numpy(b) * 1) / 4).view_as(p)
+    opt.step()
+    snap = node.snapshot()
+    assert snap.digest == params_digest(reference)  # exactly the samples-weighted mean, one AdamW step
+    assert node.losses() == [pytest.approx((3 * 2.0 + 1 * 6.0) / 4)]
+    status = node.status()
+    assert (status.accepted_packets, status.applied_packets, status.carried_packets) == (2, 2, 0)
+    assert (status.accepted_samples, status.applied_samples, status.pending_samples) == (4, 4, 0)
+    assert status.step == 2 and status.params_sha256 == snap.digest and status.peers == 1
+
+
+def test_a_stale_contribution_changes_nothing(node):
+    with pytest.raises(StepMismatch) as e:
+        node.submit(_dense("a", 7, 1, 1.0, _gradient(node, 3)))
+    assert e.value.server_step == 1
+    assert node.status().accepted_packets == 0 and node.status().pending_contributors == 0
