@@ -307,14 +307,14 @@ class TrainingNode:
         verdict = self.agreement.after_update(snap, outcome)
         self._last_update_s = took_s
         if verdict.included:
-            carried_before = self.gradient.counters().carried_samples
             applied = self.gradient.settle()
             with self._lock:
                 self._losses.append(applied.mean_loss)
+            totals, accepted = self.gradient.counters(), self.pool.counters().accepted_samples
             logger.info(f"update {outcome.epoch}: {applied.samples} samples, loss {applied.mean_loss:.4f}; "
                         f"{applied.packets} packets, {len(outcome.group)} peers, took {took_s:.1f}s "
-                        f"({applied.samples / max(took_s, 1e-9):.1f} samples/s); "
-                        f"{carried_before} samples carried so far")
+                        f"({applied.samples / max(took_s, 1e-9):.1f} samples/s); this node so far: accepted "
+                        f"{accepted}, applied {totals.applied_samples}, carried {totals.carried_samples} samples")
         else:
             self.gradient.carry()
             logger.info(f"update {outcome.epoch} went without this node's gradient (peer {verdict.reference}'s "

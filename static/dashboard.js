@@ -61,7 +61,10 @@ function renderStatus(s) {
   setText("s-peers", typeof s.training_peers === "number" ? `${peers} (${s.training_peers} training)` : peers);
   const pending = s.pending_contributors ? ` (+${s.pending_contributors} pending)` : "";
   setText("s-contributors", fmtInt(s.contributors) + pending);
-  setText("s-samples", fmtInt(s.samples_total));
+  // accepted from contributors; of them applied by an update of the swarm, and carried past one into a later update
+  const carried = s.carried_samples ? `, ${fmtInt(s.carried_samples)} carried` : "";
+  setText("s-samples", typeof s.applied_samples === "number"
+    ? `${fmtInt(s.samples_total)} (${fmtInt(s.applied_samples)} applied${carried})` : fmtInt(s.samples_total));
 
   const now = performance.now();
   if (typeof s.samples_total === "number") {
