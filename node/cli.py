@@ -39,6 +39,7 @@ _NODE_FLAGS = {
     "checkpoint_dir": "checkpoint_dir",
     "checkpoint_every": "checkpoint_every",
     "train_data": "train_data",
+    "serve_data": "serve_data",
     "local_batch_size": "local_batch_size",
     "local_seq_len": "local_seq_len",
     "local_samples_per_update": "local_samples_per_update",
@@ -82,7 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-config", help="optimizer config JSON (default <static-dir>/train_config.json)")
     g.add_argument("--checkpoint-dir", help="save state here every --checkpoint-every updates and on shutdown")
     g.add_argument("--checkpoint-every", type=int, help="updates between checkpoints (default 10)")
-    g.add_argument("--train-data", help="local text file: the node trains on it and hands out batches")
+    g.add_argument("--train-data", help="local text file: the node trains on it and hands out batches "
+                   "(default: hands out batches of the default corpus, and trains on none itself)")
+    g.add_argument("--no-data", dest="serve_data", action="store_false", default=None,
+                   help="hand out no /api/v1/data/batch (contributors bring their own text)")
     g.add_argument("--local-batch-size", type=int, help="sequences per local training step (default 8)")
     g.add_argument("--local-seq-len", type=int, help="tokens per sequence (default 64)")
     g.add_argument("--local-samples-per-update", type=int,
@@ -164,6 +168,7 @@ def _print_join_hint(maddrs: Sequence[str]) -> None:
 async def _serve(config: NodeConfig) -> None:
     from bridge.app import start_bridge
     from node.assets import ensure_tokenizer_files
+    from node.corpus import load_corpus
     from node.data import TokenDataset
     from node.tokenizer import load_tokenizer
     from node.trainer import TrainingNode
@@ -173,6 +178,9 @@ async def _serve(config: NodeConfig) -> None:
     ensure_tokenizer_files(config.static_dir)
     tokenizer = load_tokenizer(config.static_dir)
     dataset = TokenDataset.from_text_file(config.train_data, tokenizer) if config.train_data else None
+    # contributors get batches of the node's own text, else of the corpus set-up built: never trained on here, so
+    # a node alone still makes one update per min_nodes_for_update contributors
+    served = (dataset if dataset is not None else load_corpus(config.static_dir)) if config.serve_data else None
 
     node = TrainingNode(config, model_config, train_config, dataset)
     logger.info(f"Model {model_config.name}: {node.total_params:,} parameters; joining the swarm")
@@ -182,7 +190,7 @@ async def _serve(config: NodeConfig) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    runner = await start_bridge(node, config, tokenizer, dataset)
+    runner = await start_bridge(node, config, tokenizer, served)
     _print_join_hint(node.maddrs)
     logger.info(f"Bridge listening on http://{config.host}:{config.port}/ (step {node.step})")
     watcher = asyncio.create_task(_stop_when_training_ends(node, stop))

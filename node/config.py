@@ -125,6 +125,7 @@ class NodeConfig:
     checkpoint_dir: Optional[str] = None  # where state is saved; None disables checkpoints
     checkpoint_every: int = 10  # updates between checkpoints
     train_data: Optional[str] = None  # local text file the node trains on itself and hands out as batches
+    serve_data: bool = True  # hand out /api/v1/data/batch: of train_data, else of the default corpus (never trained on here)
     local_batch_size: int = 8  # sequences per local training step
     local_seq_len: int = 64  # tokens per sequence of local training and handed-out batches
     local_samples_per_update: int = 0  # cap on own-data samples per update (0: none); then wait for the swarm

@@ -52,7 +52,8 @@ def page(playwright, tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_node():
-    proc = NodeProcess("browser", ["--model-config", str(TINY_CONFIG)], new_run_id())
+    # --no-data: test_contribute_page_trains_the_node checks the page's answer to a node without batches
+    proc = NodeProcess("browser", ["--model-config", str(TINY_CONFIG), "--no-data"], new_run_id())
     try:
         proc.wait_ready()
         yield proc
