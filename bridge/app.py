@@ -6,7 +6,7 @@ from typing import Optional
 
 from aiohttp import web
 
-from bridge import dgrd, http, metrics, split_routes, training_routes
+from bridge import dgrd, http, metrics, openapi, split_routes, training_routes
 from bridge.http import ApiError
 from bridge.keys import CONFIG, DATASET, NODE, STATE, TOKENIZER, BridgeState
 from node.config import NodeConfig
@@ -25,6 +25,7 @@ def create_app(node: TrainingNode, config: NodeConfig, tokenizer=None,
     training_routes.add_routes(app)
     split_routes.setup(app, node, config, tokenizer)
     metrics.setup(app, node, app[split_routes.SPLIT])
+    openapi.setup(app)
     _add_pages(app, Path(config.static_dir))
     return app
 
