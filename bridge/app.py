@@ -30,6 +30,13 @@ def create_app(node: TrainingNode, config: NodeConfig, tokenizer=None,
     return app
 
 
+# Pages and static files are served cross-origin isolated: browsers give SharedArrayBuffer, which TensorFlow.js's
+# threaded WASM SIMD build needs, only to an isolated page and to workers whose own script also carries COEP.
+# Everything the pages load comes from this node (no CDN), so require-corp blocks nothing; other origins still
+# reach the API with CORS, which COEP allows.
+ISOLATION_HEADERS = {"Cross-Origin-Opener-Policy": "same-origin", "Cross-Origin-Embedder-Policy": "require-corp"}
+
+
 def _add_pages(app: web.Application, static_dir: Path) -> None:
     pages = {"/": "index.html", "/contribute": "contribute.html", "/chat": "chat.html"}
     for route, name in pages.items():
@@ -48,13 +55,13 @@ def _static_handler(static_dir: Path):
         path = (root / name).resolve()  # symlinks resolved: nothing outside static_dir is served
         if root not in path.parents or not path.is_file():
             raise ApiError(404, f"no static file {name!r}")
-        return web.FileResponse(path)
+        return web.FileResponse(path, headers=ISOLATION_HEADERS)
     return handler
 
 
 def _file_handler(path: Path):
     async def handler(request: web.Request) -> web.FileResponse:
-        return web.FileResponse(path)
+        return web.FileResponse(path, headers=ISOLATION_HEADERS)
     return handler
 
 

@@ -457,6 +457,14 @@ def test_data_batch_404_without_dataset(node):
     assert_error(request(node, "GET", "/api/v1/data/batch"), 404, "--train-data")
 
 
+def test_pages_and_static_files_are_cross_origin_isolated(node):
+    for path in ("/", "/contribute", "/chat", "/static/trainer.js", "/static/contribute_worker.js"):
+        a = request(node, "GET", path)
+        assert a.status == 200, path
+        assert a.headers["Cross-Origin-Opener-Policy"] == "same-origin", path
+        assert a.headers["Cross-Origin-Embedder-Policy"] == "require-corp", path
+
+
 def test_static_missing_file_is_a_plain_404(node):
     assert_error(request(node, "GET", "/static/no-such-file.js"), 404, "no-such-file.js")
     assert_error(request(node, "GET", "/static/%2e%2e/pyproject.toml"), 404)
