@@ -47,7 +47,7 @@ TIME_STEPS = """async ([backend, text, batch, seqLen, steps]) => {
       times[i].total = performance.now() - t0;
     }
     trainer.dispose();
-    return { loadMs, times, probe: chosen.timings[backend] };
+    return { loadMs, times, probe: chosen.timings[backend], isolated: self.crossOriginIsolated };
 }"""
 
 
@@ -90,7 +90,9 @@ def main() -> None:
             continue
         grad = sorted(t["grad"] for t in r["times"])[len(r["times"]) // 2] / 1000
         total = sorted(t["total"] for t in r["times"])[len(r["times"]) // 2] / 1000
-        print(f"| {backend} | {r['probe']:.1f} | {r['loadMs'] / 1000:.2f} | {grad:.3f} | {total:.3f} | "
+        # cross-origin isolated (COOP/COEP): WASM may use its threaded SIMD build
+        name = f"{backend} (isolated)" if r.get("isolated") else backend
+        print(f"| {name} | {r['probe']:.1f} | {r['loadMs'] / 1000:.2f} | {grad:.3f} | {total:.3f} | "
               f"{samples / total:.2f} |")
     print("\n(medians of the timed steps; a contribution is batch, gradients, top-1% with error feedback, "
           "DGRD encode and submit)")

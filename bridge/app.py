@@ -9,7 +9,7 @@ from typing import Optional
 
 from aiohttp import web
 
-from bridge import dgrd, http, split_routes, training_routes
+from bridge import dgrd, http, metrics, openapi, split_routes, training_routes
 from bridge.http import ApiError
 from bridge.keys import CONFIG, DATASET, NODE, STATE, TOKENIZER, BridgeState
 from node.config import NodeConfig
@@ -29,8 +29,17 @@ def create_app(node: TrainingNode, config: NodeConfig, split: Optional[SplitServ
     training_routes.add_routes(app)
     if split is not None:
         split_routes.add_routes(app, split)
+    metrics.setup(app, node, app.get(split_routes.SPLIT))
+    openapi.setup(app)
     _add_pages(app, Path(config.static_dir))
     return app
+
+
+# Pages and static files are served cross-origin isolated: browsers give SharedArrayBuffer, which TensorFlow.js's
+# threaded WASM SIMD build needs, only to an isolated page and to workers whose own script also carries COEP.
+# Everything the pages load comes from this node (no CDN), so require-corp blocks nothing; other origins still
+# reach the API with CORS, which COEP allows.
+ISOLATION_HEADERS = {"Cross-Origin-Opener-Policy": "same-origin", "Cross-Origin-Embedder-Policy": "require-corp"}
 
 
 def _add_pages(app: web.Application, static_dir: Path) -> None:
@@ -51,11 +60,11 @@ def _static_handler(static_dir: Path):
         path = (root / name).resolve()  # symlinks resolved: nothing outside static_dir is served
         if root not in path.parents or not path.is_file():
             raise ApiError(404, f"no static file {name!r}")
-        return web.FileResponse(path)
+        return web.FileResponse(path, headers=ISOLATION_HEADERS)
     return handler
 
 
 def _file_handler(path: Path):
     async def handler(request: web.Request) -> web.FileResponse:
-        return web.FileResponse(path)
+        return web.FileResponse(path, headers=ISOLATION_HEADERS)
     return handler

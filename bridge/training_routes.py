@@ -168,7 +168,8 @@ async def data_batch(request: web.Request) -> web.Response:
     """Token batches for contributors without data: little-endian u32, shape in X-Batch-Size/X-Seq-Len."""
     dataset, node = request.app[DATASET], request.app[NODE]
     if dataset is None:
-        raise ApiError(404, "this node has no dataset (start it with --train-data FILE)")
+        raise ApiError(404, "this node hands out no data (started with --no-data, or set-up built no default corpus);"
+                            " bring your own text, or start it with --train-data FILE")
     batch_size = int_param(request, "batch_size", 8, minimum=1)
     seq_len = int_param(request, "seq_len", min(64, node.model_config.max_seq_len), minimum=2)
     if batch_size > MAX_BATCH_SIZE:

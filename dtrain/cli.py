@@ -31,6 +31,7 @@ def _print_join_hint(maddrs: Sequence[str]) -> None:
 
 async def _serve(config: NodeConfig) -> None:
     from node.assets import ensure_tokenizer_files
+    from node.corpus import load_corpus
     from node.data import TokenDataset
     from node.split.service import for_node
     from node.tokenizer import load_tokenizer
@@ -41,6 +42,9 @@ async def _serve(config: NodeConfig) -> None:
     ensure_tokenizer_files(config.static_dir)
     tokenizer = load_tokenizer(config.static_dir)
     dataset = TokenDataset.from_text_file(config.train_data, tokenizer) if config.train_data else None
+    # contributors get batches of the node's own text, else of the corpus set-up built: never trained on here, so
+    # a node alone still makes one update per min_nodes_for_update contributors
+    served = (dataset if dataset is not None else load_corpus(config.static_dir)) if config.serve_data else None
 
     node = TrainingNode(config, model_config, train_config, dataset)
     logger.info(f"Model {model_config.name}: {node.total_params:,} parameters; joining the swarm")
@@ -51,7 +55,7 @@ async def _serve(config: NodeConfig) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    app = create_app(node, config, split=split, tokenizer=tokenizer, dataset=dataset)
+    app = create_app(node, config, split=split, tokenizer=tokenizer, dataset=served)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()

@@ -134,6 +134,9 @@ class NodeConfig:
     checkpoint_every: int = option(10, "--checkpoint-every", "updates between checkpoints")
     train_data: Optional[str] = option(None, "--train-data",
                                        "local text file: the node trains on it and hands out batches")
+    serve_data: bool = option(True, "--no-data", "hand out no /api/v1/data/batch (without it: batches of "
+                              "--train-data, else of the default corpus, which the node never trains on)",
+                              action="store_false", dest="serve_data")
     local_batch_size: int = option(8, "--local-batch-size", "sequences per local training step")
     local_seq_len: int = option(64, "--local-seq-len", "tokens per sequence of local training and handed-out batches")
     local_samples_per_update: int = option(0, "--local-samples-per-update",

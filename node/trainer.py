@@ -84,6 +84,7 @@ class TrainingNode:
         self._losses: list[float] = []
         self._snapshot: Optional[Snapshot] = None
         self._snapshot_listeners: list[Callable[[Snapshot], None]] = []
+        self._update_listeners: list[Callable[[float], None]] = []
         self._last_update_s = 0.0
         self._last_checkpoint_epoch = 0
         self._stop = threading.Event()
@@ -124,6 +125,10 @@ class TrainingNode:
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
+
+    def add_update_listener(self, callback: Callable[[float], None]) -> None:
+        """Called on the training thread with the seconds each update of this node took, until it served it."""
+        self._update_listeners.append(callback)
 
     def add_snapshot_listener(self, callback: Callable[[Snapshot], None]) -> None:
         """Called on the training thread after every new snapshot (split inference reloads its weights)."""
@@ -299,13 +304,18 @@ class TrainingNode:
         outcome = opt.last_round
         if outcome is not round_before and outcome.epoch == opt.local_epoch:
             self._after_update(outcome, time.monotonic() - started)
+            took_s = self._last_update_s = time.monotonic() - started  # served: the whole update, agreement included
+            for callback in self._update_listeners:
+                try:
+                    callback(took_s)
+                except Exception as e:
+                    logger.exception(f"update listener failed: {e}")
         else:  # hivemind downloaded the swarm's state inside step() ("Peer is out of sync")
             self._after_catch_up(self.agreement.check_download())
 
     def _after_update(self, outcome, took_s: float) -> None:
         snap = make_snapshot(self.model, outcome.epoch)
         verdict = self.agreement.after_update(snap, outcome)
-        self._last_update_s = took_s
         if verdict.included:
             applied = self.gradient.settle()
             with self._lock:

@@ -1,14 +1,19 @@
-"""GET /api/v1/data/batch over real HTTP: token windows of the node's own dataset for contributors without data
-(the node without a dataset answers 404, in test_bridge_http.py)."""
+"""GET /api/v1/data/batch over real HTTP: token windows of the node's own dataset for contributors without data,
+or of the default corpus set-up built, which the node hands out but never trains on (the node started with
+--no-data answers 404, in test_bridge_http.py)."""
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
 
+from node import corpus
 from node.data import TokenDataset
 from node.tokenizer import load_tokenizer
 from tests.nodeproc import REPO, TINY_CONFIG
-from tests.test_bridge_http import _start, assert_error, assert_plain_response, request
+from tests.test_bridge_http import (_start, assert_error, assert_plain_response, current_step, request, small_packet,
+                                    submit, wait_step)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -56,3 +61,47 @@ def test_data_batch(data_node, data_file):
 ])
 def test_data_batch_400(data_node, query, word):
     assert_error(request(data_node, "GET", "/api/v1/data/batch?" + query), 400, word)
+
+
+def _assert_windows_of(body: bytes, bs: int, seq_len: int, stream: np.ndarray) -> None:
+    tokens = np.frombuffer(body, "<u4").reshape(bs, seq_len)
+    windows = np.lib.stride_tricks.sliding_window_view(stream, seq_len)
+    for row in tokens:
+        assert (windows == row).all(axis=1).any(), row
+
+
+@pytest.fixture(scope="module")
+def corpus_node(tmp_path_factory):
+    """Started as `make node` starts it (no data flag), with 2 contributors per update."""
+    if not (REPO / "static" / corpus.TOKENS_NAME).is_file():
+        pytest.fail("static/corpus.u32 is missing: run `make setup`")
+    train = tmp_path_factory.mktemp("corpus") / "train.json"
+    train.write_text(json.dumps({"min_nodes_for_update": 2}))
+    proc = _start("corpus", ["--model-config", str(TINY_CONFIG), "--target-batch-size", "1",
+                             "--train-config", str(train)])
+    try:
+        yield proc
+    finally:
+        proc.kill()
+
+
+def test_default_corpus_is_handed_out_but_not_trained_on(corpus_node):
+    stream = np.fromfile(REPO / "static" / corpus.TOKENS_NAME, dtype="<u4")
+    for _ in range(3):
+        a = request(corpus_node, "GET", "/api/v1/data/batch?batch_size=4&seq_len=32")
+        assert a.status == 200
+        assert_plain_response(a)
+        _assert_windows_of(a.body, 4, 32, stream)
+    assert "Handing out batches of the default corpus" in corpus_node.output()
+
+    # the node alone makes exactly one update per min_nodes_for_update (2) contributors: none of its own
+    assert corpus_node.status()["updates"] == 0
+    for update in (1, 2):
+        step = current_step(corpus_node)
+        for who in ("a", "b"):
+            assert submit(corpus_node, small_packet(step, node_id=f"{who}-{update}")).status == 200
+        wait_step(corpus_node, step + 1)
+    request(corpus_node, "GET", "/api/v1/data/batch")
+    status = corpus_node.status()
+    assert status["updates"] == 2 and status["contributors"] == 4
+    assert len(corpus_node.get_json("/api/v1/server/losses")) == 2

@@ -1,7 +1,7 @@
 """Training API v1 conformance over real HTTP: every endpoint, status code and header of the spec and NOTES.md.
 
-One real node serves the whole module: `node` (no dataset, min_nodes_for_update 1, target batch 1: each
-accepted packet is one update). A node with a dataset is in test_bridge_data.py.
+One real node serves the whole module: `node` (--no-data: no batches handed out; min_nodes_for_update 1, target
+batch 1: each accepted packet is one update). Nodes that hand out batches are in test_bridge_data.py.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def train_config_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def node(train_config_file):
     proc = _start("http", ["--model-config", str(TINY_CONFIG), "--target-batch-size", "1",
-                           "--train-config", str(train_config_file)])
+                           "--train-config", str(train_config_file), "--no-data"])
     try:
         yield proc
     finally:
@@ -455,6 +455,14 @@ def test_losses_and_status(node):
 
 def test_data_batch_404_without_dataset(node):
     assert_error(request(node, "GET", "/api/v1/data/batch"), 404, "--train-data")
+
+
+def test_pages_and_static_files_are_cross_origin_isolated(node):
+    for path in ("/", "/contribute", "/chat", "/static/trainer.js", "/static/contribute_worker.js"):
+        a = request(node, "GET", path)
+        assert a.status == 200, path
+        assert a.headers["Cross-Origin-Opener-Policy"] == "same-origin", path
+        assert a.headers["Cross-Origin-Embedder-Policy"] == "require-corp", path
 
 
 def test_static_missing_file_is_a_plain_404(node):

@@ -52,7 +52,8 @@ def page(playwright, tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_node():
-    proc = NodeProcess("browser", ["--model-config", str(TINY_CONFIG)], new_run_id())
+    # --no-data: test_contribute_page_trains_the_node checks the page's answer to a node without batches
+    proc = NodeProcess("browser", ["--model-config", str(TINY_CONFIG), "--no-data"], new_run_id())
     try:
         proc.wait_ready()
         yield proc
@@ -175,6 +176,17 @@ def _advance(node: NodeProcess, updates: int) -> int:
     return node.get_json("/api/v1/model/info")["step"]
 
 
+@pytest.mark.timeout(120)
+def test_pages_are_cross_origin_isolated_for_threaded_wasm(page, tiny_node):
+    # COOP/COEP on the pages: SharedArrayBuffer, so TensorFlow.js's WASM backend can run its threaded SIMD build
+    page.goto(tiny_node.url + "/contribute")
+    got = page.evaluate("""async () => {
+        const tf = await import("/static/vendor/tf.js");
+        return { isolated: self.crossOriginIsolated, threads: await tf.env().getAsync("WASM_HAS_MULTITHREAD_SUPPORT") };
+    }""")
+    assert got == {"isolated": True, "threads": True}
+
+
 @pytest.mark.timeout(180)
 def test_trainer_refetches_the_model_on_409(page, tiny_node):
     page.goto(tiny_node.url + "/contribute")
@@ -233,6 +245,29 @@ def test_contribute_page_trains_the_node(page, tiny_node):
     assert int(page.inner_text("#samples")) >= 4
     wait_until(lambda: "Stopped." in page.inner_text("#message"), 60, "the worker to stop")
     assert page.is_enabled("#start")
+
+
+@pytest.fixture
+def first_run_node():
+    # as `make node` starts it (the tiny model for speed): no data flag, so it hands out the default corpus
+    proc = NodeProcess("first-run", ["--model-config", str(TINY_CONFIG)], new_run_id())
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.kill()
+
+
+@pytest.mark.timeout(240)
+def test_first_run_trains_on_the_default_corpus_with_nothing_pasted(page, first_run_node):
+    page.goto(first_run_node.url + "/contribute")
+    assert page.input_value("#text") == ""
+    page.click("#start")
+    wait_until(lambda: first_run_node.status()["updates"] >= 2, 180, "two updates from the page")
+    assert "paste some text" not in page.inner_text("#message")
+    page.click("#stop")
+    browser.ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(browser.ARTIFACTS / "contribute-first-run.png"), full_page=True)
 
 
 @pytest.mark.timeout(240)

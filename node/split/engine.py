@@ -142,6 +142,10 @@ class SplitEngine:
 
     # ---- serving
 
+    def session_count(self) -> int:
+        """KV-cached sessions alive now (what /metrics reports)."""
+        return len(self._kv)
+
     @property
     def dp_sigma(self) -> float:
         return self._dp.sigma

@@ -1,0 +1,220 @@
+"""The OpenAPI document against real nodes: every registered route is described, and every documented status of
+every operation is answered by a real node to a real request of this module (and no other status is).
+
+How the statuses are checked: two real nodes (`node`: started as `make node` starts it; `other`: --no-data and a
+--split-model directory, for the answers only such a node gives) get one request per documented (operation,
+status) from the table below. Each answer is checked against its documented status and media type; then both
+nodes' /metrics are read, and the set of (method, route template, status) their middleware counted in
+dtrain_http_requests_total must equal the document's. This module needs no other test module, so it holds when
+run alone; undocumented routes cannot reach a node at all: bridge.openapi refuses to start an app with one.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import http.client
+import json
+
+import aiohttp
+import numpy as np
+import pytest
+from aiohttp import web
+
+from bridge import openapi
+from tests.nodeproc import TINY_CONFIG, wait_until
+from tests.test_bridge_http import Answer, _start, current_step, small_packet
+from tests.test_bridge_metrics import scrape
+
+pytestmark = pytest.mark.timeout(300)
+
+TINY = json.loads(TINY_CONFIG.read_text())
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    split_dir = tmp_path_factory.mktemp("openapi") / "untied-gpt2"
+    # an LM head apart from the embedding: /api/v1/split/lm_head then answers 200 (a tied head's answer is 404)
+    GPT2LMHeadModel(GPT2Config(vocab_size=TINY["vocab_size"], n_positions=TINY["max_seq_len"], n_embd=TINY["d_model"],
+                               n_layer=1, n_head=TINY["n_heads"], tie_word_embeddings=False)).save_pretrained(split_dir)
+    started = {}
+    try:
+        started["node"] = _start("openapi", ["--model-config", str(TINY_CONFIG), "--target-batch-size", "1"])
+        started["other"] = _start("openapi-other", ["--model-config", str(TINY_CONFIG), "--no-data",
+                                                    "--split-model", str(split_dir)])
+        yield started
+    finally:
+        for proc in started.values():
+            proc.kill()
+
+
+def _send(node, method: str, path: str, body=None, headers=None, chunked=False, claim: int | None = None) -> Answer:
+    """One request; `chunked` sends the body without Content-Length, `claim` declares a length and sends nothing."""
+    conn = http.client.HTTPConnection("127.0.0.1", node.port, timeout=60)
+    try:
+        if claim is not None:
+            conn.putrequest(method, path)
+            conn.putheader("Content-Length", str(claim))
+            conn.endheaders()
+        elif chunked:
+            conn.request(method, path, body=iter([body]), encode_chunked=True,
+                         headers={"Transfer-Encoding": "chunked", **(headers or {})})
+        else:
+            conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        return Answer(resp, resp.read())
+    finally:
+        conn.close()
+
+
+def _forward(session_id: str = "openapi") -> bytes:
+    hidden = np.zeros((2, TINY["d_model"]), "<f4")
+    return json.dumps({"type": "forward", "hidden_states": base64.b64encode(hidden.tobytes()).decode(),
+                       "seq_len": 2, "hidden_dim": TINY["d_model"], "session_id": session_id}).encode()
+
+
+def _requests(step: int) -> list[tuple[str, str, str, dict, int]]:
+    """(node, method, path, options for _send, expected status): one row per documented status."""
+    json_h = {"Content-Type": "application/json"}
+    return [
+        ("node", "GET", "/healthz", {}, 200),
+        ("node", "GET", "/api/v1/model/info", {}, 200),
+        ("node", "GET", "/api/v1/model/manifest", {}, 200),
+        ("node", "GET", "/api/v1/model/tensor/0?format=f32&count=4", {}, 200),
+        ("node", "GET", "/api/v1/model/tensor/zz", {}, 400),
+        ("node", "GET", "/api/v1/model/tensor/99999", {}, 404),
+        ("node", "GET", "/api/v1/model/tensor/0?offset=999999999", {}, 416),
+        ("node", "POST", "/api/v1/train/submit", {"body": small_packet(step + 1)}, 409),
+        ("node", "POST", "/api/v1/train/submit", {"body": small_packet(step)}, 200),
+        ("node", "POST", "/api/v1/train/submit", {"body": b"junk"}, 400),
+        ("node", "POST", "/api/v1/train/submit", {"body": small_packet(step), "chunked": True}, 411),
+        ("node", "POST", "/api/v1/train/submit", {"claim": 10**12}, 413),
+        ("node", "GET", "/api/v1/server/losses", {}, 200),
+        ("node", "GET", "/api/v1/data/batch?batch_size=2&seq_len=8", {}, 200),
+        ("node", "GET", "/api/v1/data/batch?batch_size=0", {}, 400),
+        ("other", "GET", "/api/v1/data/batch", {}, 404),
+        ("node", "GET", "/api/v1/swarm/status", {}, 200),
+        ("node", "GET", "/api/v1/split/stream", {}, 400),  # a plain GET, no Upgrade; the 101 comes below
+        ("node", "GET", "/api/v1/split/config", {}, 200),
+        ("node", "POST", "/api/v1/split/forward", {"body": _forward(), "headers": json_h}, 200),
+        ("node", "POST", "/api/v1/split/forward", {"body": b'{"type": "forward"}', "headers": json_h}, 400),
+        ("node", "POST", "/api/v1/split/forward", {"body": _forward(), "chunked": True}, 411),
+        ("node", "POST", "/api/v1/split/forward", {"claim": 10**12}, 413),
+        ("node", "POST", "/api/v1/split/tokenize", {"body": b'{"text": "To be"}', "headers": json_h}, 200),
+        ("node", "POST", "/api/v1/split/tokenize", {"body": b'{"text": 5}', "headers": json_h}, 400),
+        ("node", "POST", "/api/v1/split/tokenize", {"body": b'{"text": "x"}', "chunked": True}, 411),
+        ("node", "POST", "/api/v1/split/tokenize", {"claim": 10**12}, 413),
+        ("other", "GET", "/api/v1/split/embedding?format=f16", {}, 200),
+        ("other", "GET", "/api/v1/split/embedding?format=f64", {}, 400),
+        ("node", "GET", "/api/v1/split/embedding", {}, 404),
+        ("other", "GET", "/api/v1/split/lm_head?format=f32", {}, 200),
+        ("other", "GET", "/api/v1/split/lm_head?format=f64", {}, 400),
+        ("node", "GET", "/api/v1/split/lm_head", {}, 404),
+        ("node", "GET", "/metrics", {}, 200),
+        ("node", "GET", "/api/v1/openapi.json", {}, 200),
+        ("node", "GET", "/static/model_config.json", {}, 200),
+        ("node", "GET", "/static/train_config.json", {}, 200),
+        ("node", "GET", "/static/trainer.js", {}, 200),
+        ("node", "GET", "/static/no-such-file.js", {}, 404),
+        ("node", "GET", "/", {}, 200),
+        ("node", "GET", "/contribute", {}, 200),
+        ("node", "GET", "/chat", {}, 200),
+    ]
+
+
+def _documented_media(doc: dict, method: str, template: str, status: int) -> set[str]:
+    response = doc["paths"][template][method.lower()]["responses"][str(status)]
+    return set(response.get("content", {}))
+
+
+def _template(path: str, doc: dict) -> str:
+    """The documented path template a concrete path matches (literal paths first, as aiohttp routes them)."""
+    path = path.split("?")[0]
+    if path in doc["paths"]:
+        return path
+    for template in doc["paths"]:
+        head, _, _ = template.partition("{")
+        if "{" in template and path.startswith(head) and "/" not in path[len(head):]:
+            return template
+    raise AssertionError(f"{path} matches no documented path")
+
+
+def _upgrade(node) -> None:
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(node.url + "/api/v1/split/stream") as ws:
+                await ws.send_json({"type": "ping"})
+                await ws.receive_json(timeout=30)
+    asyncio.run(run())
+
+
+def test_every_documented_status_is_answered_and_no_other(nodes):
+    doc = nodes["node"].get_json("/api/v1/openapi.json")
+    assert doc == openapi.document()
+    for who, method, path, options, status in _requests(current_step(nodes["node"])):
+        a = _send(nodes[who], method, path, **options)
+        assert a.status == status, (who, method, path, a.status, a.body[:300])
+        media = _documented_media(doc, method, _template(path, doc), status)
+        if media and "*/*" not in media:
+            assert a.headers["Content-Type"].split(";")[0] in media, (path, a.headers["Content-Type"], media)
+        if openapi.JSON in media:
+            json.loads(a.body)
+    _upgrade(nodes["node"])  # the stream's 101
+    expected = {(m, path, int(s)) for m, path in openapi.operations(doc)
+                for s in doc["paths"][path][m.lower()]["responses"] if s != "default"}
+
+    def seen() -> set:
+        answered = set()
+        for proc in nodes.values():
+            _, samples = scrape(proc)
+            answered |= {(dict(labels)["method"], dict(labels)["route"], int(dict(labels)["status"]))
+                         for (name, labels), value in samples.items()
+                         if name == "dtrain_http_requests_total" and value > 0}
+        return {s for s in answered if s[1] != "(unmatched)"}
+
+    # a socket's 101 is counted when its handler returns, just after the close: read until it shows
+    wait_until(lambda: ("GET", "/api/v1/split/stream", 101) in seen(), 10, "the socket's answer to be counted")
+    answered = seen()
+    assert expected - answered == set(), "documented but never answered"
+    assert answered - expected == set(), "answered but not documented"
+
+
+def test_undocumented_routes_are_found():
+    app = web.Application()
+
+    async def handler(request):
+        return web.Response()
+    app.router.add_get("/api/v1/model/tensor/{id}", handler)  # and its automatic HEAD
+    app.router.add_get("/static/{name:.+}", handler)
+    assert openapi.undocumented_routes(app, openapi.document()) == []
+    app.router.add_post("/api/v1/model/tensor/{id}", handler)
+    app.router.add_get("/api/v1/new", handler)
+    assert openapi.undocumented_routes(app, openapi.document()) == ["GET /api/v1/new", "POST /api/v1/model/tensor/{id}"]
+    with pytest.raises(openapi.OpenApiError, match="/api/v1/new"):
+        asyncio.run(openapi._check(app))
+
+
+def test_document_refs_resolve_and_operations_are_described():
+    doc = openapi.document()
+
+    def walk(value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if k == "$ref":
+                    node = doc
+                    for part in v.removeprefix("#/").split("/"):
+                        node = node[part]  # KeyError: a dangling reference
+                else:
+                    walk(v)
+        elif isinstance(value, list):
+            for v in value:
+                walk(v)
+    walk(doc)
+    assert doc["openapi"].startswith("3.")
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            assert op["summary"] and op["responses"], (method, path)
+            for name in ("{id}", "{name}"):
+                if name in path:
+                    assert any(p["in"] == "path" for p in op["parameters"]), path
