@@ -182,7 +182,10 @@ def _schemas() -> dict:
             "step": integer, "updates": integer, "peers": integer, "training_peers": integer,
             "nodes": {"type": "array", "items": {"type": "object"}}, "peer_id": string,
             "maddrs": {"type": "array", "items": string}, "contributors": integer, "samples_total": integer,
-            "pending_contributors": integer, "params_sha256": string}},
+            "pending_contributors": integer, "params_sha256": string,
+            "accepted_packets": integer, "accepted_samples": integer, "applied_packets": integer,
+            "applied_samples": integer, "carried_packets": integer, "carried_samples": integer,
+            "pending_samples": integer, "last_update_s": {"type": "number"}}},
         "ForwardRequest": {"type": "object", "required": ["hidden_states", "seq_len", "hidden_dim"], "properties": {
             "type": {"const": "forward"}, "hidden_states": {**string, "description": "base64 float32 [seq_len, hidden_dim]"},
             "seq_len": integer, "hidden_dim": integer, "session_id": string, "incremental": {"type": "boolean"},
