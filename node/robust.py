@@ -76,9 +76,12 @@ class RobustConfig:
     iterations: int = 10
     # Fraction of contributions dropped at each end, per coordinate, by trimmed_mean (0 .. <0.5).
     trim_fraction: float = 0.2
-    # A contribution's weight is at most this multiple of the hand-over's median samples (unitless);
-    # 0 turns it off.
+    # A contribution's weight is at most this multiple of the median samples (unitless), of the hand-over
+    # (with MIN_FOR_MEDIAN contributions or more) and of recent history (once min_norms were seen); 0: off.
     max_weight_multiple: float = 2.0
+    # A contribution's weight is at most this many samples whatever the medians say; None: no fixed cap.
+    # The node passes its max_samples_per_packet, so it holds even for packets that bypassed the gate.
+    max_samples: Optional[int] = None
     # Reported train_loss is clamped to [0, max_loss] (nats): cross-entropy is never negative, and one
     # packet must not move the loss history anywhere.
     max_loss: float = 100.0
@@ -101,6 +104,8 @@ class RobustConfig:
             raise RobustConfigError(f"trim_fraction must be in [0, 0.5), got {self.trim_fraction}")
         if not self.max_loss > 0:
             raise RobustConfigError(f"max_loss must be > 0, got {self.max_loss}")
+        if self.max_samples is not None and self.max_samples < 1:
+            raise RobustConfigError(f"max_samples must be >= 1 or None, got {self.max_samples!r}")
 
     @classmethod
     def plain(cls) -> "RobustConfig":
@@ -200,11 +205,13 @@ def _row_norms(mats, center=None) -> np.ndarray:
     return np.sqrt(sq)
 
 
-def _weights(samples: np.ndarray, config: RobustConfig) -> np.ndarray:
-    if config.max_weight_multiple <= 0:
+def _weights(samples: np.ndarray, config: RobustConfig, samples_bound: Optional[int]) -> np.ndarray:
+    caps = [c for c in (config.max_samples, samples_bound) if c is not None]
+    if config.max_weight_multiple > 0 and samples.size >= MIN_FOR_MEDIAN:
+        caps.append(config.max_weight_multiple * float(np.median(samples)))
+    if not caps:
         return samples.copy()
-    cap = max(1, int(np.floor(config.max_weight_multiple * float(np.median(samples)))))
-    return np.minimum(samples, cap)
+    return np.minimum(samples, max(1, int(np.floor(min(caps)))))
 
 
 def _centered_clip(mats, w: np.ndarray, config: RobustConfig) -> tuple[list[np.ndarray], np.ndarray, bool]:
@@ -244,11 +251,13 @@ def _trimmed_mean(x: np.ndarray, w: np.ndarray, fraction: float) -> np.ndarray:
 
 
 def aggregate(contributions: Sequence[Contribution], tensor_elements: Sequence[int],
-              config: RobustConfig = RobustConfig(), norm_bound: Optional[float] = None) -> Aggregate:
+              config: RobustConfig = RobustConfig(), norm_bound: Optional[float] = None,
+              samples_bound: Optional[int] = None) -> Aggregate:
     """Combine one hand-over's contributions. Pure: same inputs (in any order), same output.
 
-    `norm_bound` is the history's L2 bound (`NormTracker.bound()`), None for none; a hand-over of at least
-    `MIN_FOR_MEDIAN` contributions is also bounded by `clip_multiple` x its own median norm.
+    `norm_bound` and `samples_bound` come from the history (`NormTracker.bound()`, `.samples_bound()`),
+    None for none; a hand-over of at least `MIN_FOR_MEDIAN` contributions is also bounded by its own
+    medians (`clip_multiple` x its median norm, `max_weight_multiple` x its median samples).
     """
     sums = [np.zeros(int(e), np.float32) for e in tensor_elements]
     if not contributions:
@@ -256,7 +265,7 @@ def aggregate(contributions: Sequence[Contribution], tensor_elements: Sequence[i
     contribs = _canonical(contributions)
     n = len(contribs)
     claimed = np.array([c.samples for c in contribs], np.int64)
-    w = _weights(claimed, config)
+    w = _weights(claimed, config, samples_bound)
     losses = np.array([c.loss for c in contribs], np.float64)
     clamped = np.clip(losses, 0.0, config.max_loss)
 
@@ -319,6 +328,7 @@ class NormTracker:
     def __init__(self, config: RobustConfig):
         self.config = config
         self._norms: deque[float] = deque(maxlen=config.norm_window)
+        self._samples: deque[int] = deque(maxlen=config.norm_window)  # weights counted, same rules
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -336,11 +346,22 @@ class NormTracker:
                 return cfg.warmup_norm_bound
             return cfg.clip_multiple * float(np.median(np.fromiter(self._norms, np.float64)))
 
+    def samples_bound(self) -> Optional[int]:
+        """`max_weight_multiple` x the running median of counted samples, once warmed up; else None."""
+        cfg = self.config
+        if cfg.max_weight_multiple <= 0:
+            return None
+        with self._lock:
+            if len(self._samples) < cfg.min_norms:
+                return None
+            return max(1, int(cfg.max_weight_multiple * float(np.median(np.fromiter(self._samples, np.float64)))))
+
     def observe(self, result: Aggregate) -> None:
         bound = result.norm_bound
         norms = [r.norm if bound is None else min(r.norm, bound) for r in result.reports]
         with self._lock:
             self._norms.extend(n for n in norms if np.isfinite(n) and n > 0)
+            self._samples.extend(r.weight for r in result.reports)  # already capped: same argument as norms
 
 
 class RobustAggregator:
@@ -352,7 +373,8 @@ class RobustAggregator:
         self.tracker = NormTracker(config)
 
     def aggregate(self, contributions: Sequence[Contribution]) -> Aggregate:
-        result = aggregate(contributions, self.tensor_elements, self.config, self.tracker.bound())
+        result = aggregate(contributions, self.tensor_elements, self.config, self.tracker.bound(),
+                           self.tracker.samples_bound())
         self.tracker.observe(result)
         for r in result.outliers:
             logger.warning(f"contributor {r.contributor!r}: outlier ({self.config.method}): norm {r.norm:.4g}"
