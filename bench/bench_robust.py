@@ -217,7 +217,11 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--plot", default="", help="PNG path for a bar plot (needs matplotlib)")
+    p.add_argument("--plot-table", default="", help="only plot the table in this earlier output file to --plot")
     args = p.parse_args()
+    if args.plot_table:
+        plot_table(args.plot_table, args.plot)
+        return
     torch.set_num_threads(args.threads)
     setup = Setup(args)
     robust_cfg = robust.RobustConfig(method=args.method, clip_multiple=args.clip_multiple,
@@ -261,10 +265,12 @@ def main():
         print(f"| {label} | {r['loss']:.4f} | {rel} | {kept} | {r['refused']} | {flagged} | {honest_flagged} | "
               f"{r['wall_s']:.0f} |", flush=True)
     if args.plot:
-        plot(results, args.plot, setup.model_config.name)
+        plot([(label, r["loss"]) for label, r in results.values()], start_loss, results["honest_plain"][1]["loss"],
+             args.plot, setup.model_config.name)
 
 
-def plot(results, path, name):
+def plot(rows: list[tuple[str, float]], start: float, ref: float, path: str, name: str) -> None:
+    """Horizontal bars of held-out loss per run, with the start, the honest run and honest + 5% marked."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -272,22 +278,34 @@ def plot(results, path, name):
     except ImportError:
         print("matplotlib is not installed: no plot")
         return
-    labels = [label for label, _ in results.values()]
-    losses = [r["loss"] for _, r in results.values()]
-    ref = results["honest_plain"][1]["loss"]
-    fig, ax = plt.subplots(figsize=(9, 0.32 * len(labels) + 1.5))
-    ax.barh(range(len(labels)), losses, color=["#888" if "honest" in l or "baseline" in l else "#c44" for l in labels])
-    ax.axvline(ref, color="k", lw=0.8)
+    labels = [label for label, _ in rows]
+    losses = [loss for _, loss in rows]
+    colors = ["#888" if "honest" in l or "baseline" in l else "#c44" if "robust" in l else "#e9a" for l in labels]
+    fig, ax = plt.subplots(figsize=(9, 0.3 * len(labels) + 1.6))
+    ax.barh(range(len(labels)), losses, color=colors)
+    ax.axvline(ref, color="k", lw=0.8, label=f"honest top-1% ({ref:.3f})")
     ax.axvline(ref * 1.05, color="k", lw=0.8, ls="--", label="honest top-1% + 5%")
+    ax.axvline(start, color="#36c", lw=0.8, ls=":", label=f"before training ({start:.3f})")
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlim(min(losses) * 0.97, max(losses) * 1.01)
+    ax.set_xlim(min(losses) * 0.98, max(max(losses), ref * 1.05, start) * 1.01)
     ax.set_xlabel("held-out loss (nats)")
-    ax.set_title(f"{name}: robust aggregation under attack (same samples per run)")
-    ax.legend(fontsize=8)
+    ax.set_title(f"{name}: held-out loss, same samples per run", fontsize=10)
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot saved to {path}")
+
+
+def plot_table(table_path: str, path: str) -> None:
+    """Plot the markdown table a previous run printed (its output file), without training again."""
+    lines = open(table_path, encoding="utf-8").read().splitlines()
+    name = lines[0].lstrip("# ").split(":")[0]
+    start = float(next(l for l in lines if l.startswith("held-out loss before training")).split(":")[1].split(";")[0])
+    rows = [(cells[1].strip(), float(cells[2])) for cells in (l.split("|") for l in lines)
+            if len(cells) > 3 and cells[2].strip().replace(".", "").isdigit()]
+    ref = dict(rows)["top-1% honest, plain mean"]
+    plot(rows, start, ref, path, name)
 
 
 if __name__ == "__main__":

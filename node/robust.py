@@ -177,17 +177,24 @@ def _union_matrices(contributions: Sequence[Contribution], tensor_elements: Sequ
     out = []
     for tid in sorted(by_tensor):
         parts = by_tensor[tid]
+        elements = int(tensor_elements[tid])
         if any(s.indices is None for _, s in parts):
-            coords, size = None, int(tensor_elements[tid])
+            coords, where, size = None, None, elements
         else:
-            coords = np.unique(np.concatenate([s.indices for _, s in parts]))
+            # A mask over the tensor, not np.unique: numpy 2.3's hash-based unique took 9 s for ten 1% packets
+            # of the default model, the mask and its running count 0.1 s (O(elements), as the sums are anyway).
+            mask = np.zeros(elements, bool)
+            for _, s in parts:
+                mask[s.indices] = True
+            coords = np.flatnonzero(mask)
+            where = np.cumsum(mask, dtype=np.int64 if elements >= 2**31 else np.int32)  # 1 + position in coords
             size = coords.size
         x = np.zeros((n, size), np.float32)
         for row, s in parts:
             if s.indices is None:
                 x[row] += s.values
                 continue
-            pos = s.indices if coords is None else np.searchsorted(coords, s.indices)
+            pos = s.indices if where is None else where[s.indices] - 1
             if s.unique:
                 x[row, pos] += s.values
             else:
@@ -219,10 +226,12 @@ def _centered_clip(mats, w: np.ndarray, config: RobustConfig) -> tuple[list[np.n
     total = float(w.sum())
     w32 = w.astype(np.float32)
     center = [np.dot(w32, x) / np.float32(total) for _, _, x in mats]
-    tau = config.tau_multiple * float(np.median(_row_norms(mats, center)))
+    dist = _row_norms(mats, center)
+    tau = config.tau_multiple * float(np.median(dist))
     c = np.ones(len(w))
     for it in range(config.iterations):
-        dist = _row_norms(mats, center)
+        if it:
+            dist = _row_norms(mats, center)
         with np.errstate(divide="ignore"):
             c = np.where(dist > tau, tau / np.maximum(dist, 1e-300), 1.0)
         if (c >= 1.0).all():
