@@ -259,7 +259,7 @@ def main():
         rel = f"{100 * (r['loss'] / ref - 1):+.2f}%" if "honest_plain" in results else "-"
         kept = f"{100 * (start_loss - r['loss']) / (start_loss - ref):.0f}%" if "honest_plain" in results else "-"
         n_bad = int(round(args.contributors * f)) * args.hand_overs
-        flagged = f"{r['flagged_bad']}/{n_bad}" if attack else "-"
+        flagged = f"{r['flagged_bad']}/{n_bad}" if attack and cfg is not None else "-"  # the plain mean flags none
         honest_n = (args.contributors - int(round(args.contributors * f))) * args.hand_overs
         honest_flagged = f"{r['flagged_honest']}/{honest_n}" if cfg is not None else "-"
         print(f"| {label} | {r['loss']:.4f} | {rel} | {kept} | {r['refused']} | {flagged} | {honest_flagged} | "
