@@ -12,9 +12,10 @@ logger = get_logger(__name__)
 CORS_HEADERS = {
     "Access-Control-Allow-Origin": "*",
     "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-    "Access-Control-Allow-Headers": "Content-Type, Content-Length",
+    "Access-Control-Allow-Headers": "Content-Type, Content-Length, Authorization",  # contributor tokens (bridge/gate.py)
     "Access-Control-Expose-Headers": (
-        "X-Model-Step, X-Tensor-Id, X-Tensor-Offset, X-Tensor-Count, X-Tensor-Format, X-Batch-Size, X-Seq-Len"
+        "X-Model-Step, X-Tensor-Id, X-Tensor-Offset, X-Tensor-Count, X-Tensor-Format, X-Batch-Size, X-Seq-Len,"
+        " Retry-After"  # a browser reads it from a 429 only when exposed
     ),
     "Access-Control-Max-Age": "86400",
 }

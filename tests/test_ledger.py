@@ -1,0 +1,96 @@
+"""Contributor ledger: counts per node_id, credits from an aggregate, bounded memory, thread safety."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from node import robust
+from node.contribution import Contribution, Section
+from node.ledger import ContributorLedger, RejectReason
+
+
+class Clock:
+    """A clock the test advances by hand: last-seen times become exact."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        self.now += 1.0
+        return self.now
+
+
+def test_counts_per_contributor():
+    ledger = ContributorLedger(clock=Clock())
+    ledger.accepted("a", 4)
+    ledger.accepted("a", 6)
+    ledger.rejected("a", RejectReason.RATE_LIMITED)
+    ledger.rejected("a", "rate_limited")
+    ledger.rejected("b", RejectReason.STEP_MISMATCH)
+    a, b = ledger.get("a"), ledger.get("b")
+    assert (a.accepted, a.samples_claimed, a.rejected) == (2, 10, {"rate_limited": 2})
+    assert (a.first_seen_s, a.last_seen_s) == (1001.0, 1004.0)
+    assert (b.accepted, b.rejected, b.samples_credited) == (0, {"step_mismatch": 1}, 0)
+    assert ledger.get("nobody") is None
+    assert [r.node_id for r in ledger.records()] == ["b", "a"]  # most recently seen first
+    with pytest.raises(ValueError):
+        ledger.rejected("a", "bored")
+
+
+def test_credits_and_outliers_come_from_the_aggregate():
+    elements = [50]
+    rng = np.random.default_rng(0)
+    honest = [Contribution(f"h{i}", 0, 4, 3.0, (Section(0, None, rng.normal(size=50).astype(np.float32)),))
+              for i in range(4)]
+    huge = Contribution("x", 0, 1000, 3.0, (Section(0, None, 1e6 * rng.normal(size=50).astype(np.float32)),))
+    ledger = ContributorLedger()
+    for c in honest + [huge]:
+        ledger.accepted(c.contributor, c.samples)
+    result = robust.aggregate(honest + [huge], elements)
+    ledger.record_aggregate(result)
+    x, h0 = ledger.get("x"), ledger.get("h0")
+    assert (x.samples_claimed, x.samples_credited, x.outliers) == (1000, 8, 1)
+    assert (h0.samples_claimed, h0.samples_credited, h0.outliers) == (4, 4, 0)
+    ledger.refused_update(["x", "x", "h0"])
+    assert ledger.get("x").rejected == {"non_finite": 1}
+
+
+def test_memory_is_bounded_and_the_least_recently_seen_go_first():
+    ledger = ContributorLedger(max_contributors=3, clock=Clock())
+    for name in ["a", "b", "c"]:
+        ledger.accepted(name, 1)
+    ledger.accepted("a", 1)  # a is now the most recent: b is the oldest
+    for i in range(100):  # an attacker inventing ids
+        ledger.rejected(f"sybil{i}", RejectReason.RATE_LIMITED)
+    summary = ledger.summary()
+    assert (summary.contributors, summary.evicted) == (3, 100)
+    assert [r.node_id for r in ledger.records()] == ["sybil99", "sybil98", "sybil97"]
+    assert len(ledger.records(limit=2)) == 2
+
+
+def test_concurrent_updates_are_all_counted():
+    ledger = ContributorLedger()
+
+    def work(k):
+        for i in range(500):
+            ledger.accepted(f"n{i % 7}", 2)
+            ledger.rejected(f"n{(i + k) % 7}", RejectReason.MALFORMED)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    records = ledger.records()
+    assert sum(r.accepted for r in records) == 2000
+    assert sum(r.samples_claimed for r in records) == 4000
+    assert sum(r.rejected["malformed"] for r in records) == 2000
+
+
+def test_records_are_snapshots():
+    ledger = ContributorLedger()
+    ledger.rejected("a", RejectReason.MALFORMED)
+    snap = ledger.get("a")
+    snap.rejected["malformed"] = 99
+    assert ledger.get("a").rejected == {"malformed": 1}
