@@ -11,7 +11,8 @@ from aiohttp import web
 
 from bridge import dgrd, http, metrics, openapi, split_routes, training_routes
 from bridge.http import ApiError
-from bridge.keys import CONFIG, DATASET, NODE, STATE, TOKENIZER, BridgeState
+from bridge.gate import Gate, GateConfig
+from bridge.keys import CONFIG, DATASET, GATE, LEDGER, NODE, STATE, TOKENIZER, BridgeState
 from node.config import NodeConfig
 from node.data import TokenDataset
 from node.split.service import SplitService
@@ -25,6 +26,10 @@ def create_app(node: TrainingNode, config: NodeConfig, split: Optional[SplitServ
     app = web.Application(client_max_size=max_packet + 1024)
     app[NODE], app[CONFIG], app[DATASET], app[TOKENIZER] = node, config, dataset, tokenizer
     app[STATE] = BridgeState(tensor_elements=tensor_elements, max_packet_bytes=max_packet)
+    app[GATE] = Gate(GateConfig(max_samples_per_packet=config.max_samples_per_packet,
+                                rate_per_s=config.rate_limit_per_s, burst=config.rate_burst,
+                                contributor_tokens=config.contributor_tokens))
+    app[LEDGER] = node.ledger  # the bridge counts what it refuses; the node what its aggregation found
     http.install(app)
     training_routes.add_routes(app)
     if split is not None:

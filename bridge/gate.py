@@ -36,7 +36,7 @@ from node.ledger import RejectReason
 
 logger = get_logger(__name__)
 
-DEFAULT_MAX_SAMPLES_PER_PACKET = 64  # 16x the browser's default batch of 4, a quarter of /api/v1/data/batch's 256
+DEFAULT_MAX_SAMPLES_PER_PACKET = 256  # the largest batch /api/v1/data/batch hands out: more no browser trains
 
 
 class GateConfigError(ValueError):

@@ -7,7 +7,9 @@ from typing import Optional
 import numpy as np
 from aiohttp import web
 
+from bridge.gate import Gate
 from bridge.http import DecodeGate
+from node.ledger import ContributorLedger
 from node.config import NodeConfig
 from node.data import TokenDataset
 from node.trainer import TrainingNode
@@ -26,3 +28,5 @@ CONFIG = web.AppKey("config", NodeConfig)
 DATASET = web.AppKey("dataset", Optional[TokenDataset])
 STATE = web.AppKey("state", BridgeState)
 TOKENIZER = web.AppKey("tokenizer", object)
+GATE = web.AppKey("gate", Gate)
+LEDGER = web.AppKey("ledger", ContributorLedger)

@@ -109,6 +109,9 @@ def _paths() -> dict:
             ))},
         "/api/v1/swarm/status": {"get": _op("The node's view of the swarm and its contributors", ops, {
             200: _json("status", _ref("SwarmStatus"))})},
+        "/api/v1/contributors": {"get": _op("The contributor ledger: per node_id, packets accepted, rejected by "
+                                            "reason, treated as outliers, samples credited, last seen", ops, {
+            200: _json("ledger", {"type": "object", "required": ["summary", "contributors"]})})},
         "/api/v1/split/stream": {"get": _op(
             "WebSocket of the split protocol: ping, config, tokenize and forward messages as JSON text", split, {
                 101: {"description": "switched to a WebSocket"},

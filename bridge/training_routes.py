@@ -9,9 +9,11 @@ from aiohttp import web
 
 from bridge import dgrd
 from bridge.http import ApiError, int_param, read_body
-from bridge.keys import DATASET, NODE, STATE
+from bridge.gate import GateError
+from bridge.keys import DATASET, GATE, LEDGER, NODE, STATE
 from node.config import ModelConfig
 from node.contribution import Contribution, Section
+from node.ledger import ContributorLedger, RejectReason
 from node.model import TensorInfo
 from node.pool import StepMismatch
 from node.trainer import NodeStatus
@@ -65,7 +67,8 @@ async def model_info(request: web.Request) -> web.Response:
         "updates": snap.updates,
         "total_params": node.total_params,
         "config": model_config_block(node.model_config),
-        "train": dataclasses.asdict(node.train_config),
+        "train": {**dataclasses.asdict(node.train_config),
+                  "max_samples_per_packet": request.app[GATE].config.max_samples_per_packet},
     })
 
 
@@ -139,25 +142,43 @@ async def _send_range(request: web.Request, headers: dict, fobj, offset_bytes: i
     return response
 
 
-def _ingest(node, body: bytes, state) -> int:
-    """Decode and validate the whole packet, then hand it to the node; runs off the event loop."""
+def _ingest(node, body: bytes, state, gate, ledger: ContributorLedger) -> int:
+    """Decode and validate the whole packet, check it at the gate, hand it to the node; runs off the event loop."""
     try:
         with state.decode_gate:
             packet = dgrd.decode(body, state.tensor_elements)
     except dgrd.PacketError as e:
         raise ApiError(400, f"malformed packet: {e}", server_step=node.step) from None
     try:
-        return node.submit(contribution(packet))
+        gate.check_packet(packet.node_id, packet.samples, server_step=node.step)  # 400 above the cap, 429
+    except GateError as e:
+        if e.reason is not None:
+            ledger.rejected(packet.node_id, e.reason)
+        raise
+    try:
+        step = node.submit(contribution(packet))
     except StepMismatch as e:
+        ledger.rejected(packet.node_id, RejectReason.STEP_MISMATCH)
         raise ApiError(409, "step mismatch; fetch latest model", server_step=e.server_step) from None
+    ledger.accepted(packet.node_id, packet.samples)
+    return step
 
 
 async def submit(request: web.Request) -> web.Response:
-    node, state = request.app[NODE], request.app[STATE]
+    node, state, gate = request.app[NODE], request.app[STATE], request.app[GATE]
+    gate.authorize(request.headers)  # 401 before the body is read: nothing applied
+    gate.check_address(request.remote)
     body = await read_body(request, state.max_packet_bytes)
     loop = asyncio.get_running_loop()
-    step = await loop.run_in_executor(None, _ingest, node, body, state)
+    step = await loop.run_in_executor(None, _ingest, node, body, state, gate, request.app[LEDGER])
     return web.json_response({"ok": True, "message": "ok", "server_step": step})
+
+
+async def contributors(request: web.Request) -> web.Response:
+    ledger = request.app[LEDGER]
+    limit = int_param(request, "limit", 100, minimum=1)
+    return web.json_response({"summary": dataclasses.asdict(ledger.summary()),
+                              "contributors": [dataclasses.asdict(r) for r in ledger.records(limit)]})
 
 
 async def losses(request: web.Request) -> web.Response:
@@ -208,5 +229,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/api/v1/server/losses", losses)
     app.router.add_get("/api/v1/data/batch", data_batch)
     app.router.add_get("/api/v1/swarm/status", swarm_status)
+    app.router.add_get("/api/v1/contributors", contributors)
     app.router.add_get("/static/model_config.json", config_file("model"))
     app.router.add_get("/static/train_config.json", config_file("train"))

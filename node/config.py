@@ -142,6 +142,18 @@ class NodeConfig:
     local_samples_per_update: int = option(0, "--local-samples-per-update",
                                            "own-data samples per update, then wait for the swarm (0: no cap)")
     log_level: str = option("INFO", "--log-level", "DEBUG, INFO, WARNING")
+    # untrusted contributors (README, "Contributors are strangers")
+    max_samples_per_packet: int = option(256, "--max-samples-per-packet",
+                                         "samples one packet may claim; above it the packet is refused with 400")
+    rate_limit_per_s: float = option(5.0, "--rate-limit", "packets per second per contributor (0: no limit); "
+                                                          "above it 429 with Retry-After")
+    rate_burst: int = option(30, "--rate-burst", "packets a contributor may send back to back")
+    contributor_tokens: Optional[str] = option(None, "--contributor-tokens", "file of bearer tokens, one per line: "
+                                               "only contributors sending one are accepted (default: open)")
+    aggregation: str = option("centered_clip", "--aggregation", "how one hand-over's contributions combine: "
+                              "centered_clip, trimmed_mean or mean (weight and norm bounds only)")
+    norm_bound: Optional[float] = option(None, "--norm-bound", "fixed L2 bound of one contribution's gradient "
+                                                               "(default: 4x the running median norm)")
     split: SplitConfig = field(default_factory=SplitConfig)  # split-inference options
 
     def model_config_path(self) -> Path:

@@ -78,7 +78,9 @@ class RobustConfig:
     trim_fraction: float = 0.2
     # A contribution's weight is at most this multiple of the median samples (unitless), of the hand-over
     # (with MIN_FOR_MEDIAN contributions or more) and of recent history (once min_norms were seen); 0: off.
-    max_weight_multiple: float = 2.0
+    # Off by default: honest browsers train different batch sizes, and NOTES.md wants their exact weighted mean;
+    # the gate's max_samples_per_packet (passed as max_samples) is the weight bound then.
+    max_weight_multiple: float = 0.0
     # A contribution's weight is at most this many samples whatever the medians say; None: no fixed cap.
     # The node passes its max_samples_per_packet, so it holds even for packets that bypassed the gate.
     max_samples: Optional[int] = None

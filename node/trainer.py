@@ -25,9 +25,11 @@ from node.config import ModelConfig, NodeConfig, TrainConfig
 from node.contribution import Contribution
 from node.data import TokenDataset
 from node.gradient import PendingGradient
+from node.ledger import ContributorLedger
 from node.model import TensorInfo, build_model, tensor_infos
 from node.pool import ContributionPool, StepMismatch  # noqa: F401 (StepMismatch: part of submit's interface)
 from node.presence import PeerInfo, Presence
+from node.robust import RobustAggregator, RobustConfig, all_finite, optimizer_state_tensors
 from node.snapshot import Snapshot, make_snapshot, params_digest
 from node.swarm import SHUTDOWN_TIMEOUT_S, Swarm, make_local_optimizer
 
@@ -68,7 +70,7 @@ class TrainingNode:
     """One node of the swarm: owns the model and the training thread."""
 
     def __init__(self, config: NodeConfig, model_config: ModelConfig, train_config: TrainConfig,
-                 dataset: Optional[TokenDataset] = None):
+                 dataset: Optional[TokenDataset] = None, ledger: Optional[ContributorLedger] = None):
         self.config, self.model_config, self.train_config = config, model_config, train_config
         self.dataset = dataset
         self.model = build_model(model_config)
@@ -76,6 +78,10 @@ class TrainingNode:
         self.total_params = sum(t.elements for t in self.tensors)
         self.pool = ContributionPool(train_config.min_nodes_for_update, lambda: self.step)
         self.gradient = PendingGradient([t.elements for t in self.tensors])
+        robust = RobustConfig(method=config.aggregation, norm_bound=config.norm_bound,
+                              max_samples=config.max_samples_per_packet)
+        self.aggregator = RobustAggregator(robust, [t.elements for t in self.tensors])
+        self.ledger = ledger if ledger is not None else ContributorLedger()
         self.swarm: Optional[Swarm] = None
         self.presence: Optional[Presence] = None
         self.agreement: Optional[Agreement] = None
@@ -252,7 +258,7 @@ class TrainingNode:
         # Alone, every hand-over is one update (the spec's single server); in a swarm, all that is ready goes into
         # the next update together.
         while (hand_over := self.pool.take()) is not None:
-            self.gradient.add_contributions(hand_over.contributions)
+            self._add(hand_over.contributions)
             worked = True
             if self._alone():
                 self._step()
@@ -271,6 +277,18 @@ class TrainingNode:
             self._save_checkpoint()
             self._last_checkpoint_epoch = epoch
         return worked
+
+    def _add(self, contributions) -> None:
+        """One hand-over, robustly aggregated (CenteredClip by default: the exact weighted mean unless someone is
+        far out), into the pending gradient; refused whole if it would still not be finite."""
+        result = self.aggregator.aggregate(contributions)
+        self.ledger.record_aggregate(result)
+        if not all_finite(result.sums):
+            ids = sorted({c.contributor for c in contributions})
+            logger.warning(f"Refused a hand-over whose aggregate is not finite; contributors {ids}")
+            self.ledger.refused_update(ids)
+            return
+        self.gradient.add(result.sums, result.samples, result.loss_sum, packets=len(contributions))
 
     def _wants_local_batch(self) -> bool:
         limit = self.config.local_samples_per_update
@@ -295,6 +313,7 @@ class TrainingNode:
         new_samples = max(self.gradient.samples - counted.local_samples_accumulated, 0)
         self.gradient.write_grads(list(self.model.parameters()), counted.local_times_accumulated + 1)
         epoch_before, round_before = opt.local_epoch, opt.last_round
+        before = self._snapshot
         if new_samples:
             self.presence.reported_samples()
         started = time.monotonic()
@@ -303,6 +322,7 @@ class TrainingNode:
             return
         outcome = opt.last_round
         if outcome is not round_before and outcome.epoch == opt.local_epoch:
+            self._refuse_non_finite(before)
             self._after_update(outcome, time.monotonic() - started)
             took_s = self._last_update_s = time.monotonic() - started  # served: the whole update, agreement included
             for callback in self._update_listeners:
@@ -330,6 +350,20 @@ class TrainingNode:
             logger.info(f"update {outcome.epoch} went without this node's gradient (peer {verdict.reference}'s "
                         f"bytes); carrying {self.gradient.samples} samples into the next update")
         self._publish(verdict.snapshot)
+
+    def _refuse_non_finite(self, before: Snapshot) -> None:
+        """Never a non-finite model: an update that left a parameter or Adam moment non-finite (a peer's average,
+        since this node's own gradient was checked) is undone to the parameters served before it."""
+        opt = self.swarm.optimizer.state_averager.optimizer
+        if all_finite(list(self.model.parameters()) + optimizer_state_tensors(opt)):
+            return
+        logger.error(f"Update {self.swarm.epoch} left non-finite parameters or moments: keeping step {before.step}'s "
+                     f"parameters and zeroing the non-finite moments")
+        with torch.no_grad():
+            for p, saved in zip(self.model.parameters(), before.f32):
+                p.copy_(torch.from_numpy(np.array(saved)).view_as(p))
+            for t in optimizer_state_tensors(opt):
+                torch.nan_to_num_(t, nan=0.0, posinf=0.0, neginf=0.0)
 
     def _catch_up(self) -> None:
         opt = self.swarm.optimizer

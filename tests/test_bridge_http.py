@@ -146,7 +146,7 @@ def test_model_info_fields_and_types(node, elements):
     keys = ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len")
     assert info["config"] == {k: tiny[k] for k in keys}
     assert all(type(info["config"][k]) is int for k in keys)
-    assert info["train"] == TRAIN_CONFIG
+    assert info["train"] == {**TRAIN_CONFIG, "max_samples_per_packet": 256}  # NOTES.md, "Swarm soundness"
     for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay"):
         assert isinstance(info["train"][k], float)
     assert type(info["train"]["min_nodes_for_update"]) is int

@@ -47,7 +47,7 @@ def test_credits_and_outliers_come_from_the_aggregate():
     ledger = ContributorLedger()
     for c in honest + [huge]:
         ledger.accepted(c.contributor, c.samples)
-    result = robust.aggregate(honest + [huge], elements)
+    result = robust.aggregate(honest + [huge], elements, robust.RobustConfig(max_weight_multiple=2.0))
     ledger.record_aggregate(result)
     x, h0 = ledger.get("x"), ledger.get("h0")
     assert (x.samples_claimed, x.samples_credited, x.outliers) == (1000, 8, 1)
