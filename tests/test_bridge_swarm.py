@@ -52,6 +52,10 @@ def test_contributions_to_two_bridges_make_one_swarm_update():
         # a node's loss history records the contributions it received (its own share of the update)
         assert a.get_json("/api/v1/server/losses") == [pytest.approx(3.0)]
         assert b.get_json("/api/v1/server/losses") == [pytest.approx(4.0)]
+    except BaseException:
+        for node in nodes:  # shown by pytest with the failure
+            print(f"===== node {node.name} =====\n{node.output()}")
+        raise
     finally:
         for node in nodes:
             node.kill()

@@ -105,6 +105,9 @@ def test_late_joiner_catches_up_before_serving(text_file):
         wait_until(lambda: all(first_step in n.digests() for n in nodes[:2]), 60, "the peers to publish that step")
         assert first_digest == nodes[0].digests()[first_step] == nodes[1].digests()[first_step]
         assert late.status()["step"] >= first_step
+    except BaseException:
+        _print_logs(nodes)
+        raise
     finally:
         _kill_all(nodes)
 
