@@ -20,24 +20,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.nodeproc import REPO, TINY_CONFIG, NodeProcess, new_run_id, wait_until  # noqa: E402
+from tests.nodeproc import REPO, TINY_CONFIG, NodeProcess, new_run_id, start_swarm, wait_until  # noqa: E402
 from tests.swarmcheck import ByteWatch, Contributions, all_applied  # noqa: E402
 
 TIMEOUTS = dict(matchmaking=2.5, averaging=8.0, request=1.0)  # tests/nodeproc.py's, for both swarms
 
 
-def start(n: int, args: list[str], run_id: str) -> list[NodeProcess]:
-    nodes = [NodeProcess("A", args, run_id)]
-    maddrs = nodes[0].wait_ready(180)
-    for name in "BCDE"[: n - 1]:
-        nodes.append(NodeProcess(name, args, run_id, initial_peers=maddrs))
-    for node in nodes[1:]:
-        node.wait_ready(180)
-    return nodes
-
-
 def contributors_row(n: int, rounds: int, train_config: Path) -> dict:
-    nodes = start(n, ["--model-config", str(TINY_CONFIG), "--train-config", str(train_config)], new_run_id())
+    nodes = start_swarm(n, ["--model-config", str(TINY_CONFIG), "--train-config", str(train_config)], new_run_id())
     try:
         step0 = nodes[0].status()["step"]
         contributions = Contributions(tensor_elements=nodes[0].get_json("/api/v1/model/manifest")["tensors"][0]
@@ -64,7 +54,7 @@ def contributors_row(n: int, rounds: int, train_config: Path) -> dict:
 def dtrain_update_s(epochs: int, text: Path) -> float:
     args = ["--model-config", str(TINY_CONFIG), "--train-data", str(text), "--local-batch-size", "8",
             "--local-seq-len", "32", "--local-samples-per-update", "8", "--target-batch-size", "24"]
-    nodes = start(3, args, new_run_id())
+    nodes = start_swarm(3, args, new_run_id())
     try:
         joined = max(min(node.digests()) for node in nodes)
         wait_until(lambda: min(max(node.digests()) for node in nodes) >= joined + epochs, 600, "updates", 1.0)

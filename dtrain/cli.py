@@ -14,7 +14,7 @@ from aiohttp import web
 from hivemind.utils.logging import get_logger, use_hivemind_log_handler
 
 from bridge.app import create_app
-from dtrain.flags import build_parser, parse_config  # noqa: F401 (build_parser: for --help tooling and tests)
+from dtrain.flags import parse_config
 from node.config import ConfigError, ModelConfig, NodeConfig, TrainConfig
 
 logger = get_logger(__name__)

@@ -27,7 +27,7 @@ from node.data import TokenDataset
 from node.gradient import PendingGradient
 from node.ledger import ContributorLedger
 from node.model import TensorInfo, build_model, tensor_infos
-from node.pool import ContributionPool, StepMismatch  # noqa: F401 (StepMismatch: part of submit's interface)
+from node.pool import ContributionPool
 from node.presence import PeerInfo, Presence
 from node.robust import RobustAggregator, RobustConfig, all_finite, optimizer_state_tensors
 from node.snapshot import Snapshot, make_snapshot, params_digest

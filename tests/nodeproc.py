@@ -130,6 +130,24 @@ class NodeProcess:
             self.proc.wait(5)
 
 
+def start_swarm(n: int, args: Sequence[str], run_id: str, ready_timeout_s: float = 90.0) -> list[NodeProcess]:
+    """A first node on its own, then n - 1 nodes joining it at its printed multiaddrs; returns once all serve."""
+    nodes = [NodeProcess("A", args, run_id)]
+    maddrs = nodes[0].wait_ready(ready_timeout_s)
+    assert maddrs, nodes[0].output()
+    for name in "BCDE"[: n - 1]:
+        nodes.append(NodeProcess(name, args, run_id, initial_peers=maddrs))
+    for node in nodes[1:]:
+        node.wait_ready(ready_timeout_s)
+    return nodes
+
+
+def print_logs(nodes) -> None:
+    """The nodes' logs, shown by pytest with a failing test (CI keeps the tail of its output)."""
+    for node in nodes:
+        print(f"===== node {node.name} =====\n{node.output()}")
+
+
 def new_run_id() -> str:
     return f"test-{uuid.uuid4().hex[:8]}"
 

@@ -2,10 +2,8 @@
 that submit disjoint sparse gradients over real HTTP from threads."""
 from __future__ import annotations
 
-import json
 import threading
 import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
@@ -13,6 +11,7 @@ import numpy as np
 
 from bridge import dgrd
 from tests.nodeproc import NodeProcess
+from tests.test_bridge_semantics import submit
 
 TENSOR = 0  # the token embedding: every packet moves its own coordinates of it
 COORDS_PER_PACKET = 8
@@ -83,7 +82,7 @@ class Contributions:
         for _ in range(attempts):
             step = node.get_json("/api/v1/model/info")["step"]
             packet = dgrd.encode(step, contributor, 3.0, 4, [(TENSOR, coords, values)], flags=dgrd.FLAGS_MODE2)
-            status, body = post(node, packet)
+            status, body = submit(node, packet)
             if status == 200:
                 with self._lock:
                     self.accepted.append((node.name, coords))
@@ -99,16 +98,6 @@ class Contributions:
             t.start()
         for t in threads:
             t.join(60)
-
-
-def post(node: NodeProcess, packet: bytes) -> tuple[int, dict]:
-    request = urllib.request.Request(node.url + "/api/v1/train/submit", data=packet, method="POST",
-                                     headers={"Content-Type": "application/octet-stream"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def tensor_f32(node: NodeProcess, tensor_id: int) -> tuple[int, np.ndarray]:

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from bridge import dgrd
-from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, wait_until
+from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, print_logs, wait_until
 from tests.test_bridge_semantics import download_f32, submit
 
 SAMPLES = 4  # per packet; the swarm's target is both nodes' packets together
@@ -53,8 +53,7 @@ def test_contributions_to_two_bridges_make_one_swarm_update():
         assert a.get_json("/api/v1/server/losses") == [pytest.approx(3.0)]
         assert b.get_json("/api/v1/server/losses") == [pytest.approx(4.0)]
     except BaseException:
-        for node in nodes:  # shown by pytest with the failure
-            print(f"===== node {node.name} =====\n{node.output()}")
+        print_logs(nodes)
         raise
     finally:
         for node in nodes:

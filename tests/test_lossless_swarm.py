@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, wait_until
+from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, print_logs, start_swarm, wait_until
 from tests.swarmcheck import TENSOR, ByteWatch, Contributions, all_applied, tensor_f32
 
 pytestmark = pytest.mark.swarm
@@ -30,21 +30,6 @@ def no_decay(tmp_path):
     return ["--model-config", str(TINY_CONFIG), "--train-config", str(path)]
 
 
-def _start(n: int, args, run_id: str) -> list[NodeProcess]:
-    nodes = [NodeProcess("A", args, run_id)]
-    maddrs = nodes[0].wait_ready()
-    for name in "BCDE"[: n - 1]:
-        nodes.append(NodeProcess(name, args, run_id, initial_peers=maddrs))
-    for node in nodes[1:]:
-        node.wait_ready()
-    return nodes
-
-
-def _print_logs(nodes):
-    for node in nodes:
-        print(f"===== node {node.name} =====\n{node.output()}")
-
-
 def _assert_every_packet_moved(nodes, contributions: Contributions, before: np.ndarray) -> None:
     for node in nodes:
         _, after = tensor_f32(node, TENSOR)
@@ -57,7 +42,7 @@ def _assert_every_packet_moved(nodes, contributions: Contributions, before: np.n
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("peers", [2, 3])
 def test_every_accepted_packet_is_applied_on_every_node(no_decay, peers):
-    nodes = _start(peers, no_decay, new_run_id())
+    nodes = start_swarm(peers, no_decay, new_run_id())
     try:
         _, before = tensor_f32(nodes[0], TENSOR)
         contributions = Contributions(tensor_elements=before.size)
@@ -77,7 +62,7 @@ def test_every_accepted_packet_is_applied_on_every_node(no_decay, peers):
         for node in nodes:
             node.terminate()
     except BaseException:
-        _print_logs(nodes)
+        print_logs(nodes)
         raise
     finally:
         for node in nodes:
@@ -88,7 +73,7 @@ def test_every_accepted_packet_is_applied_on_every_node(no_decay, peers):
 def test_a_killed_peer_costs_nothing_accepted_and_returns_with_the_swarms_bytes(no_decay, tmp_path):
     run_id = new_run_id()
     ckpt = ["--checkpoint-dir", str(tmp_path / "c"), "--checkpoint-every", "1"]
-    nodes = _start(2, no_decay, run_id)
+    nodes = start_swarm(2, no_decay, run_id)
     c = NodeProcess("C", [*no_decay, *ckpt], run_id, initial_peers=nodes[0].wait_ready())
     nodes.append(c)
     everyone = list(nodes)
@@ -120,7 +105,7 @@ def test_a_killed_peer_costs_nothing_accepted_and_returns_with_the_swarms_bytes(
         assert not watch.conflicts, watch.conflicts[:5]
         _assert_every_packet_moved([*survivors, c2], contributions, before)
     except BaseException:
-        _print_logs(everyone)
+        print_logs(everyone)
         raise
     finally:
         for node in everyone:

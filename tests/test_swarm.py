@@ -10,7 +10,7 @@ import pytest
 
 from bridge import dgrd
 from node.dht_records import RECORD_TTL_S as NODES_TTL_S
-from tests.nodeproc import REPO, TINY_CONFIG, NodeProcess, new_run_id, pid_alive, wait_until
+from tests.nodeproc import REPO, TINY_CONFIG, NodeProcess, new_run_id, pid_alive, print_logs, start_swarm, wait_until
 from tests.test_bridge_semantics import submit
 
 TRAIN_TEXT = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -31,23 +31,6 @@ def _train_args(text_file, peers: int, extra=()):
             "--target-batch-size", str(BATCH * peers), *extra]
 
 
-def _start_swarm(n: int, args, run_id: str) -> list[NodeProcess]:
-    nodes = [NodeProcess("A", args, run_id)]
-    maddrs = nodes[0].wait_ready()
-    assert maddrs, nodes[0].output()
-    for name in "BCDE"[: n - 1]:
-        nodes.append(NodeProcess(name, args, run_id, initial_peers=maddrs))
-    for node in nodes[1:]:
-        node.wait_ready()
-    return nodes
-
-
-def _print_logs(nodes):
-    """The nodes' logs, shown by pytest with a failing test (CI keeps the tail of its output)."""
-    for node in nodes:
-        print(f"===== node {node.name} =====\n{node.output()}")
-
-
 def _kill_all(nodes):
     for node in nodes:
         node.kill()
@@ -56,12 +39,12 @@ def _kill_all(nodes):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("peers", [2, 3])
 def test_peers_byte_identical_after_each_epoch(text_file, peers):
-    nodes = _start_swarm(peers, _train_args(text_file, peers), new_run_id())
+    nodes = start_swarm(peers, _train_args(text_file, peers), new_run_id())
     epochs = 5
     try:
         _check_lockstep(nodes, peers, epochs)
     except BaseException:
-        _print_logs(nodes)
+        print_logs(nodes)
         raise
     finally:
         _kill_all(nodes)
@@ -93,7 +76,7 @@ def _check_lockstep(nodes, peers: int, epochs: int) -> None:
 def test_late_joiner_catches_up_before_serving(text_file):
     run_id = new_run_id()
     args = _train_args(text_file, 2)
-    nodes = _start_swarm(2, args, run_id)
+    nodes = start_swarm(2, args, run_id)
     try:
         wait_until(lambda: min(max(n.digests(), default=0) for n in nodes) >= 3, 120, "two epochs")
         late = NodeProcess("late", ["--model-config", str(TINY_CONFIG)], run_id, initial_peers=nodes[0].wait_ready())
@@ -106,7 +89,7 @@ def test_late_joiner_catches_up_before_serving(text_file):
         assert first_digest == nodes[0].digests()[first_step] == nodes[1].digests()[first_step]
         assert late.status()["step"] >= first_step
     except BaseException:
-        _print_logs(nodes)
+        print_logs(nodes)
         raise
     finally:
         _kill_all(nodes)
