@@ -45,7 +45,7 @@ def status_json(s: NodeStatus) -> dict:
     body["maddrs"] = list(s.maddrs)
     body["samples_total"] = s.accepted_samples  # the dashboard's name for it
     body["nodes"] = [{"peer_id": n.peer_id, "step": n.step, "bridge_port": n.bridge_port, "maddrs": list(n.maddrs),
-                      "training": n.training, "pending_samples": n.pending_samples} for n in s.nodes]
+                      "training": n.training, "pending_samples": n.pending_samples, "time": n.time} for n in s.nodes]
     return body
 
 

@@ -25,12 +25,13 @@ class PeerInfo:
     maddrs: tuple[str, ...]  # some of its libp2p addresses
     training: bool  # it reported samples to the swarm in the last TRAINING_RECENTLY_S
     pending_samples: int  # samples it holds that no update applied yet
+    time: float  # DHT time of the announcement (seconds since the epoch)
 
     @classmethod
     def from_record(cls, peer_id: str, record: Mapping) -> "PeerInfo":
         return cls(peer_id=peer_id, step=int(record.get("step", 0)), bridge_port=int(record.get("bridge_port", 0)),
                    maddrs=tuple(str(m) for m in record.get("maddrs", ())), training=bool(record.get("training")),
-                   pending_samples=int(record.get("pending_samples", 0)))
+                   pending_samples=int(record.get("pending_samples", 0)), time=float(record.get("time", 0.0)))
 
 
 class Presence:

@@ -204,12 +204,44 @@ function drawLoss(losses) {
   ctx.fill();
 }
 
+// the contributor ledger: who contributed what to this node, and what it refused or clipped
+function renderLedger(ledger) {
+  const body = $("ledger-body");
+  body.replaceChildren();
+  const rows = Array.isArray(ledger.contributors) ? ledger.contributors : [];
+  setText("ledger-summary", `${fmtInt(ledger.summary?.contributors ?? rows.length)} known`);
+  if (!rows.length) {
+    const tr = document.createElement("tr");
+    const td = document.createElement("td");
+    td.colSpan = 6;
+    td.className = "muted";
+    td.textContent = "no contributions yet";
+    tr.append(td);
+    body.append(tr);
+    return;
+  }
+  for (const r of rows) {
+    const rejected = Object.entries(r.rejected || {}).map(([why, n]) => `${n} ${why}`).join(", ") || "0";
+    const tr = document.createElement("tr");
+    tr.dataset.nodeId = r.node_id;
+    for (const text of [r.node_id, fmtInt(r.accepted), rejected, fmtInt(r.outliers), fmtInt(r.samples_credited),
+                        fmtAge(r.last_seen_s)]) {
+      const td = document.createElement("td");
+      td.textContent = String(text);
+      tr.append(td);
+    }
+    body.append(tr);
+  }
+}
+
 async function poll() {
-  const [status, losses, info] = await Promise.allSettled([
+  const [status, losses, info, ledger] = await Promise.allSettled([
     getJSON("/api/v1/swarm/status"),
     getJSON("/api/v1/server/losses"),
     getJSON("/api/v1/model/info"),
+    getJSON("/api/v1/contributors?limit=50"),
   ]);
+  if (ledger.status === "fulfilled") renderLedger(ledger.value);
   if (status.status === "fulfilled") {
     setConnected(true);
     renderStatus(status.value);

@@ -352,3 +352,12 @@ def test_dashboard_draws_the_loss_curve(page, tiny_node):
     browser.ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(browser.ARTIFACTS / "dashboard.png"), full_page=True)
     assert (browser.ARTIFACTS / "dashboard.png").stat().st_size > 10_000
+    # the contributor ledger, row for row as /api/v1/contributors has it
+    ledger = tiny_node.get_json("/api/v1/contributors?limit=50")["contributors"]
+    page.wait_for_function(f"document.querySelectorAll('#ledger-body tr[data-node-id]').length === {len(ledger)}",
+                           timeout=30_000)
+    shown = page.evaluate("""() => [...document.querySelectorAll('#ledger-body tr[data-node-id]')].map(
+        (tr) => [tr.dataset.nodeId, tr.children[1].textContent, tr.children[4].textContent])""")
+    assert {row[0]: (row[1], row[2]) for row in shown} == {
+        r["node_id"]: (f"{r['accepted']:,}", f"{r['samples_credited']:,}") for r in ledger}
+    assert {f"advance-{i}" for i in range(4)} <= {row[0] for row in shown}
