@@ -95,6 +95,7 @@ def _requests(step: int) -> list[tuple[str, str, str, dict, int]]:
         ("node", "GET", "/api/v1/data/batch?batch_size=0", {}, 400),
         ("other", "GET", "/api/v1/data/batch", {}, 404),
         ("node", "GET", "/api/v1/swarm/status", {}, 200),
+        ("node", "GET", "/api/v1/contributors", {}, 200),
         ("node", "GET", "/api/v1/split/stream", {}, 400),  # a plain GET, no Upgrade; the 101 comes below
         ("node", "GET", "/api/v1/split/config", {}, 200),
         ("node", "POST", "/api/v1/split/forward", {"body": _forward(), "headers": json_h}, 200),
