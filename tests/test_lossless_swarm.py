@@ -19,7 +19,7 @@ from tests.swarmcheck import TENSOR, ByteWatch, Contributions, all_applied, tens
 
 pytestmark = pytest.mark.swarm
 
-ROUNDS = 4
+ROUNDS = 3
 PER_NODE = 2  # contributors per node per round
 
 
