@@ -21,10 +21,6 @@ class Section:
     values: np.ndarray  # float32 per index; a dense section may hold float16 (Mode 3 as it came off the wire)
     unique: bool = False  # indices strictly increasing (DGRD Mode 2): a plain indexed add, no np.add.at
 
-    @property
-    def entries(self) -> int:
-        return int(self.values.size)
-
 
 @dataclass(frozen=True)
 class Contribution:

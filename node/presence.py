@@ -60,9 +60,6 @@ class Presence:
         self.nodes = {peer: PeerInfo.from_record(peer, r) for peer, r in dht_records.read(self._dht, self._key).items()}
         return self.nodes
 
-    def training_peers(self) -> int:
-        return sum(1 for info in self.nodes.values() if info.training)
-
     def alone(self) -> bool:
         """No other node announced itself recently."""
         return all(peer == self.peer_id for peer in self.nodes)

@@ -375,9 +375,10 @@ class TrainingNode:
     def _after_catch_up(self, checked: bool) -> None:
         if self.gradient.samples:
             self.gradient.carry()
+        served = self.snapshot()
+        if self.swarm.epoch == served.updates and params_digest(self.model) == served.digest:
+            return  # nothing new: no copy and FP16 conversion of the whole model
         snap = make_snapshot(self.model, self.swarm.epoch)
-        if snap.updates == self.snapshot().updates and snap.digest == self.snapshot().digest:
-            return
         if checked:
             self.agreement.vouch(snap)
         else:

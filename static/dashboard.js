@@ -54,6 +54,17 @@ function setConnected(ok, msg) {
   }
 }
 
+// one muted row across a table's `cols` columns, for a table with nothing to show
+function emptyRow(body, cols, text) {
+  const tr = document.createElement("tr");
+  const td = document.createElement("td");
+  td.colSpan = cols;
+  td.className = "muted";
+  td.textContent = text;
+  tr.append(td);
+  body.append(tr);
+}
+
 function renderStatus(s) {
   setText("s-step", fmtInt(s.step));
   setText("s-updates", fmtInt(s.updates));
@@ -86,16 +97,7 @@ function renderStatus(s) {
   const body = $("nodes-body");
   body.replaceChildren();
   const nodes = Array.isArray(s.nodes) ? s.nodes : [];
-  if (!nodes.length) {
-    const tr = document.createElement("tr");
-    const td = document.createElement("td");
-    td.colSpan = 5;
-    td.className = "muted";
-    td.textContent = "no nodes announced yet";
-    tr.append(td);
-    body.append(tr);
-    return;
-  }
+  if (!nodes.length) return emptyRow(body, 5, "no nodes announced yet");
   for (const n of nodes) {
     const tr = document.createElement("tr");
     const cells = [
@@ -210,16 +212,7 @@ function renderLedger(ledger) {
   body.replaceChildren();
   const rows = Array.isArray(ledger.contributors) ? ledger.contributors : [];
   setText("ledger-summary", `${fmtInt(ledger.summary?.contributors ?? rows.length)} known`);
-  if (!rows.length) {
-    const tr = document.createElement("tr");
-    const td = document.createElement("td");
-    td.colSpan = 6;
-    td.className = "muted";
-    td.textContent = "no contributions yet";
-    tr.append(td);
-    body.append(tr);
-    return;
-  }
+  if (!rows.length) return emptyRow(body, 6, "no contributions yet");
   for (const r of rows) {
     const rejected = Object.entries(r.rejected || {}).map(([why, n]) => `${n} ${why}`).join(", ") || "0";
     const tr = document.createElement("tr");
