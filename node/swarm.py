@@ -18,6 +18,7 @@ import hivemind
 import torch
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
 from node.config import SwarmConfig, TrainConfig
@@ -60,26 +61,40 @@ def make_local_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.op
 
 
 class _PacedTracker(ProgressTracker):
-    """hivemind's tracker, plus: the swarm may update once its pending samples stopped growing for `settle_s`.
+    """hivemind's tracker with the swarm's own rule for when an update begins (README, "When the swarm updates").
 
-    hivemind alone waits for target_batch_size samples or for its own estimate of when they will come; a peer that
-    leaves keeps counting in that estimate until its record expires, and the others, who can no longer reach the
-    target, stalled for minutes.
+    An update begins when the swarm moved to a later epoch, when the swarm's pending samples reach the target, or
+    once they stopped growing for `settle_s`. Two of hivemind's rules are left out:
+    - its estimate of when the target will be reached. It extrapolates each peer's samples per second, which a
+      bridge's bursts of packets make meaningless: a node that took 4 samples in 10 ms expected the rest at once and
+      updated alone while its peer's packet was still on the way;
+    - reaching the target while this peer's view of the swarm's progress shows no one else although other nodes
+      announced themselves (a node that joined or just received its first packet has not read their progress yet).
+      Then the settle rule decides, which waits long enough for the progress of every peer to be read.
     """
 
     def __init__(self, *args, settle_s: float, **kwargs):
         self.settle_s = settle_s
+        self.others_present: Callable[[], bool] = lambda: False  # set by the node once it knows who is in the swarm
         self._seen_samples, self._grew_at = 0, time.monotonic()
         super().__init__(*args, **kwargs)
 
     @property
     def ready_to_update_epoch(self) -> bool:
-        if super().ready_to_update_epoch:
+        if self.global_epoch > self.local_progress.epoch:
             return True
-        samples = self.global_progress.samples_accumulated
+        progress = self.global_progress
+        samples = progress.samples_accumulated
         if samples != self._seen_samples:
             self._seen_samples, self._grew_at = samples, time.monotonic()
+        if samples >= self.target_batch_size and (progress.num_peers > 1 or not self.others_present()):
+            return True
         return samples > 0 and time.monotonic() - self._grew_at >= self.settle_s
+
+    @property
+    def estimated_next_update_time(self) -> float:
+        # no estimate, so hivemind never pre-schedules a round for a time the bridge's traffic cannot promise
+        return get_dht_time() if self.ready_to_update_epoch else float("inf")
 
 
 class SwarmOptimizer(hivemind.Optimizer):

@@ -207,6 +207,7 @@ class TrainingNode:
             opt.state_averager.local_epoch = restored.epoch
             opt.tracker.report_local_progress(restored.epoch, 0)
         self.presence = Presence(swarm.dht, cfg.swarm.run_id, swarm.peer_id, swarm.maddrs, cfg.port)
+        opt.tracker.others_present = lambda: not self.presence.alone()
         self.agreement = Agreement(swarm.dht, opt, self.model, cfg.swarm, self._stop, seed_digest)
         self._rng = np.random.default_rng(int.from_bytes(swarm.peer_id.encode()[-8:], "little"))
 

@@ -20,6 +20,7 @@ TINY_CONFIG = REPO / "configs" / "tiny.json"
 DIGEST_RE = re.compile(r"step (\d+) params sha256 ([0-9a-f]{64})")
 NORM_RE = re.compile(r"step (\d+) params sha256 [0-9a-f]{64} l2 (\S+)")
 MADDR_RE = re.compile(r"^\s+(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\S+)\s*$")
+LOG_DIR = REPO / "test-artifacts" / "nodes"  # every test node's log, kept for reading after passing runs too
 
 
 def free_port() -> int:
@@ -53,15 +54,20 @@ class NodeProcess:
         cmd += list(args)
         self.lines: list[str] = []
         self._lock = threading.Lock()
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        self.log_path = LOG_DIR / f"{run_id}-{name}.log"
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
     def _read(self):
-        for line in self.proc.stdout:
-            with self._lock:
-                self.lines.append(line.rstrip("\n"))
+        with open(self.log_path, "w") as log:
+            for line in self.proc.stdout:
+                log.write(line)
+                log.flush()
+                with self._lock:
+                    self.lines.append(line.rstrip("\n"))
 
     def output(self) -> str:
         with self._lock:
