@@ -2,7 +2,7 @@
 
 After an update every peer publishes a record for the new epoch in the DHT (`dtrain_{run_id}_digests_{epoch}`):
 the sha256 of its parameters, its state-sharing priority (`swarm.update_bonus`: a complete gradient round over a
-failed one over a late one, distinct per peer), the group whose gradients its update averaged, and whether it
+failed one, distinct per peer), the group whose gradients its update averaged, and whether it
 already serves those bytes. The rule:
 
 1. A peer whose gradient round completed waits (bounded) for the records of its group; it stops waiting as soon
@@ -14,7 +14,7 @@ already serves those bytes. The rule:
    and the group of the update it serves holds it. Otherwise the node carries it into its next update
    (`node.gradient`).
 
-A served record outranks any later one, so a peer that updates late (or alone after a failed round) follows the
+A served record outranks any later one, so a peer that updates later (alone after a failed round, say) follows the
 peers that already serve. Records of the last KEEP_EPOCHS epochs are kept alive: a joiner of an idle swarm checks
 its download at once. Downloads are checked against these records too: hivemind may label update e's state e + 1,
 and a state downloaded from a peer inside an update can be torn.

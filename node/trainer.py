@@ -28,7 +28,7 @@ from node.gradient import PendingGradient
 from node.ledger import ContributorLedger
 from node.model import TensorInfo, build_model, tensor_infos
 from node.pool import ContributionPool
-from node.presence import PeerInfo, Presence
+from node.presence import ANNOUNCE_EVERY_S, PeerInfo, Presence
 from node.robust import RobustAggregator, RobustConfig, all_finite, optimizer_state_tensors
 from node.snapshot import Snapshot, make_snapshot, params_digest
 from node.swarm import SHUTDOWN_TIMEOUT_S, Swarm, make_local_optimizer
@@ -222,7 +222,11 @@ class TrainingNode:
             self.agreement.vouch(snap)
         self._publish(snap)
         self._last_checkpoint_epoch = opt.local_epoch
-        self.presence.refresh(snap.step, 0)  # and learn who is in the swarm
+        if any(peer != swarm.peer_id for peer in self.presence.refresh(snap.step, 0)):
+            # ready once every node has read this one's announcement: until then a node that takes a packet
+            # believes it is alone and updates at once, and this node, behind, has to catch up before its first
+            # update can join the swarm's
+            self._stop.wait(ANNOUNCE_EVERY_S + 0.5)
         logger.info(f"Node ready at step {snap.step} (epoch {snap.updates})")
 
     def _swarm_serves_my_bytes(self) -> bool:
@@ -252,6 +256,8 @@ class TrainingNode:
             logger.info("Swarm connection closed")
 
     def _alone(self) -> bool:
+        if self.presence.due():  # a node that joined since the last look must not be missed
+            self.presence.refresh(self.step, self.gradient.samples)
         return self.presence.alone() and self.swarm.optimizer.tracker.global_progress.num_peers <= 1
 
     def _iteration(self) -> bool:
@@ -266,10 +272,10 @@ class TrainingNode:
         if self.dataset is not None and self._wants_local_batch():
             self._local_batch()
             worked = True
+        # a peer behind the swarm takes its state first, so that its gradient joins the swarm's next round
+        self._catch_up()
         if self.gradient.samples > 0:
             self._step()  # lets hivemind schedule and run the update the swarm is gathering samples for
-        else:
-            self._catch_up()
         if self.presence.due():
             self.presence.refresh(self.step, self.gradient.samples)
             self.agreement.keep_alive()

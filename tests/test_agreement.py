@@ -65,9 +65,9 @@ def test_peers_of_one_round_serve_the_reference_bytes_with_both_gradients(peers)
     assert ref_snap.digest != other_snap.digest
     verdicts = {}
     waiter = threading.Thread(target=lambda: verdicts.update(
-        ref=reference.agreement.after_update(ref_snap, RoundOutcome(EPOCH, group, clean=True, late=False))))
+        ref=reference.agreement.after_update(ref_snap, RoundOutcome(EPOCH, group, clean=True))))
     waiter.start()
-    verdicts["other"] = other.agreement.after_update(other_snap, RoundOutcome(EPOCH, group, clean=True, late=False))
+    verdicts["other"] = other.agreement.after_update(other_snap, RoundOutcome(EPOCH, group, clean=True))
     waiter.join(30)
     assert verdicts["ref"].snapshot is ref_snap  # the reference keeps its own parameters
     assert verdicts["other"].snapshot.digest == ref_snap.digest == params_digest(other.model)
@@ -86,11 +86,11 @@ def test_a_served_update_outranks_a_later_one_which_carries_its_gradient(peers):
     reference, other = peers
     other_snap = other.snapshot()
     # `other`'s gradient round failed: it updated with its own gradient, and serves it (it waits for nobody)
-    failed = RoundOutcome(EPOCH, (other.peer_id,), clean=False, late=False)
+    failed = RoundOutcome(EPOCH, (other.peer_id,), clean=False)
     verdict = other.agreement.after_update(other_snap, failed)
     assert verdict.snapshot is other_snap and verdict.included
     # the higher-priority peer publishes later, from a round without `other`: it follows the served bytes
-    alone = RoundOutcome(EPOCH, (reference.peer_id,), clean=True, late=False)
+    alone = RoundOutcome(EPOCH, (reference.peer_id,), clean=True)
     verdict = reference.agreement.after_update(reference.snapshot(), alone)
     assert verdict.snapshot.digest == other_snap.digest == params_digest(reference.model)
     assert verdict.reference == other.peer_id
