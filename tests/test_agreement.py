@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from node import swarm
-from node.agreement import Agreement
+from node.agreement import Agreement, Download
 from node.config import ModelConfig, SwarmConfig, TrainConfig
 from node.model import build_model
 from node.snapshot import make_snapshot, params_digest
@@ -104,5 +104,5 @@ def test_a_failed_download_is_not_confirmed_by_the_own_record(peers):
     other.agreement.vouch(other_snap)  # its own record of this epoch is in the DHT
     assert set(other.agreement.records(EPOCH)) == {other.agreement.peer_id}
     reference.shutdown()  # the download finds no peer and leaves `other` with its own bytes
-    assert other.agreement.load_state_from_peers() is False
+    assert other.agreement.load_state_from_peers() is Download.UNCHECKED  # nobody else published: unconfirmed
     assert params_digest(other.model) == other_snap.digest
