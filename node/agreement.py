@@ -150,7 +150,8 @@ class Agreement:
         labels a downloaded state with the swarm's next epoch when the swarm is one epoch ahead of it ("Catching
         up with collaboration step"): the bytes of update e served as step e + 2. The records tell which epoch the
         bytes are; anything else is downloaded again. This peer shares no state of its own until it serves again
-        (`TrainingNode._publish`): its tensors are being overwritten.
+        (`TrainingNode._publish`): its tensors are being overwritten. A download that got nothing leaves epoch 0
+        and the seeded model, which is the swarm's state only while the swarm is at epoch 0.
         """
         opt = self.optimizer
         opt.state_averager.allow_state_sharing = False
@@ -162,10 +163,13 @@ class Agreement:
             logger.info("Loading the swarm's parameters and optimizer state from peers")
             opt.load_state_from_peers()
             epoch, digest = opt.local_epoch, params_digest(self.model)
-            if digest == want_digest or (epoch == 0 and digest == self.seed_digest):
+            if digest == want_digest:
                 return Download.CHECKED
             if epoch == 0:  # the seeded model is the only state of epoch 0
-                logger.info("The downloaded state is labelled 0 but is not the seeded model; loading again")
+                if digest == self.seed_digest and opt.tracker.global_epoch == 0:
+                    return Download.CHECKED
+                logger.info(f"No state of the swarm's epoch {opt.tracker.global_epoch} came (no peer shared one, "
+                            f"or it was not the seeded model of epoch 0); loading again")
                 continue
             deadline = time.monotonic() + self.wait_s  # the peers may still be finishing this update
             while not (published := self._others(epoch)) and time.monotonic() < deadline:

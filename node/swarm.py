@@ -170,9 +170,6 @@ class SwarmOptimizer(hivemind.Optimizer):
             # agreement, carried into a later one too. The node catches up first (TrainingNode._catch_up) and
             # joins the swarm's next round with its gradient intact.
             return
-        # a peer inside an update shares no state: a download would get bytes stepped but not yet averaged. The
-        # node shares again once it serves the update's agreed bytes.
-        self.state_averager.allow_state_sharing = False
         super()._update_global_epoch(grad_scaler)
         self.last_round = RoundOutcome(epoch=self.local_epoch, group=self._round_group, clean=self._round_clean)
         if not self.client_mode:
