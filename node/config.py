@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from node.options import option
+from node.serve.config import ServeConfig
 from node.split.config import SplitConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -155,6 +156,7 @@ class NodeConfig:
     norm_bound: Optional[float] = option(None, "--norm-bound", "fixed L2 bound of one contribution's gradient "
                                                                "(default: 4x the running median norm)")
     split: SplitConfig = field(default_factory=SplitConfig)  # split-inference options
+    serve: ServeConfig = field(default_factory=ServeConfig)  # the OpenAI-compatible API, capture and feedback
 
     def model_config_path(self) -> Path:
         return Path(self.model_config) if self.model_config else Path(self.static_dir) / "model_config.json"
