@@ -148,7 +148,7 @@ class _Row:
     choice: int
     stream: TextStream
     generator: Optional[torch.Generator]
-    position: int  # position id of `last` when it is fed
+    position: int  # position id of `last`: where the next decode step feeds it
     last: int = -1  # the token the next decode step feeds
     choices: list[TokenChoice] = field(default_factory=list)  # every sampled token (logprobs), eos excluded
 
@@ -308,7 +308,7 @@ class ServeEngine:
             logits = self._logits(served.model, out.last_hidden_state[:, -1], [g.expert])  # (1, V)
         stop = g.params.stop
         rows = [_Row(ticket, i, TextStream(self._decode, stop, g.strip_leading), row_generator(g.params.seed, i),
-                     position=len(g.prompt_ids)) for i in range(g.n)]
+                     position=len(g.prompt_ids) - 1) for i in range(g.n)]  # `last` is the prompt's end
         if g.n > 1:
             cache.batch_repeat_interleave(g.n)
             logits = logits.expand(g.n, -1)
