@@ -71,12 +71,13 @@ class Prepared:
 
 class ServeService:
     def __init__(self, engine: ServeEngine, tokenizer: Any, model_name: str, config: ServeConfig,
-                 capture: Optional[CaptureStore] = None):
+                 capture: Optional[CaptureStore] = None, trainer=None):
         self.engine = engine
         self.tokenizer = tokenizer  # a tokenizers.Tokenizer
         self.model_name = model_name
         self.config = config
         self.capture = capture
+        self.trainer = trainer  # node.serve.feedback.FeedbackTrainer with --feedback-train, else None
         self.vocab_size = int(engine.vocab_size)
 
     @property
@@ -92,6 +93,8 @@ class ServeService:
         return self.engine.node_step()
 
     def close(self) -> None:
+        if self.trainer is not None:
+            self.trainer.stop()
         self.engine.stop()
         if self.capture is not None:
             self.capture.close()
@@ -177,7 +180,15 @@ def for_node(node, config: ServeConfig, tokenizer: Any, experts=None) -> ServeSe
     engine = ServeEngine(SnapshotWeights(node.snapshot, template), lambda ids: tokenizer.decode(list(ids)), config,
                          experts=experts, eos_token_id=template.config.eos_token_id)
     capture = CaptureStore(config.capture_db, config.capture_max_rows) if config.capture else None
+    trainer = None
+    if config.feedback_train:
+        from node.serve.feedback import FeedbackTrainer
+
+        trainer = FeedbackTrainer(node, capture, template, config.feedback_batch, config.feedback_interval_s)
     engine.start()
+    if trainer is not None:
+        trainer.start()
     logger.info(f"serving /v1 (OpenAI-compatible) on {model_config.name} and experts {engine.experts.names()}; "
-                f"capture {'to ' + str(config.capture_db) if capture else 'off'}")
-    return ServeService(engine, tokenizer, model_config.name, config, capture)
+                f"capture {'to ' + str(config.capture_db) if capture else 'off'}; "
+                f"feedback training {'every %.0f s' % config.feedback_interval_s if trainer else 'off'}")
+    return ServeService(engine, tokenizer, model_config.name, config, capture, trainer)

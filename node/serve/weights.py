@@ -10,10 +10,25 @@ import copy
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+import torch
 from transformers import PreTrainedModel
 
 from node.snapshot import Snapshot
-from node.split.service import snapshot_state_dict
+
+
+def load_snapshot(model: torch.nn.Module, f32: tuple[np.ndarray, ...]) -> torch.nn.Module:
+    """Copy a snapshot's flat float32 arrays (`named_parameters()` order, tied weights once) into `model`."""
+    params = list(model.parameters())
+    if len(params) != len(f32):
+        raise ValueError(f"snapshot has {len(f32)} tensors; the model has {len(params)} parameters")
+    with torch.no_grad():
+        for p, flat in zip(params, f32):
+            if flat.size != p.numel():
+                raise ValueError(f"snapshot tensor of {flat.size} elements for a parameter of {p.numel()}")
+            # torch.tensor copies: the snapshot's arrays are read-only, and torch warns on wrapping those
+            p.copy_(torch.tensor(flat).view_as(p))
+    return model
 
 
 @dataclass(frozen=True)
@@ -42,9 +57,7 @@ class SnapshotWeights:
 
     def load(self) -> ServedWeights:
         snap = self._snapshot_fn()
-        model = copy.deepcopy(self._template)
-        model.load_state_dict(snapshot_state_dict(self._template, snap.f32), strict=True)
-        return ServedWeights(_frozen(model), snap.step)
+        return ServedWeights(_frozen(load_snapshot(copy.deepcopy(self._template), snap.f32)), snap.step)
 
 
 class FixedWeights:
