@@ -23,6 +23,7 @@ from node.config import DEFAULT_STATIC_DIR, ModelConfig, NodeConfig, SwarmConfig
 from node.contribution import Contribution, Section
 from node.serve.config import ServeConfig
 from node.serve.service import for_node
+from node.split.experts import ExpertRegistry, LoraExpert
 from node.tokenizer import load_tokenizer
 from node.trainer import TrainingNode
 from tests.nodeproc import TINY_CONFIG, new_run_id, wait_until
@@ -30,6 +31,7 @@ from tests.nodeproc import TINY_CONFIG, new_run_id, wait_until
 pytestmark = pytest.mark.timeout(180)
 
 MODEL = json.loads(TINY_CONFIG.read_text())["name"]
+EXPERT = "banking"  # a LoRA expert the node hosts, served by name
 
 
 class _Server:
@@ -68,7 +70,12 @@ def served(tmp_path_factory):
     node.start()
     ensure_tokenizer_files(DEFAULT_STATIC_DIR)
     tokenizer = load_tokenizer(DEFAULT_STATIC_DIR)
-    serve = for_node(node, serve_config, tokenizer)
+    rng = np.random.default_rng(3)
+    d = node.model_config.d_model
+    experts = ExpertRegistry()
+    experts.add(LoraExpert.from_matrices(EXPERT, rng.normal(scale=0.5, size=(4, d)), rng.normal(scale=0.5, size=(d, 4)),
+                                         4.0))
+    serve = for_node(node, serve_config, tokenizer, experts=experts)
     server = _Server(create_app(node, config, tokenizer=tokenizer, serve=serve))
     try:
         yield {"node": node, "serve": serve, "db": db, "port": server.port, "tokenizer": tokenizer}
@@ -92,7 +99,8 @@ def _rows(db, completion_id: str) -> list[dict]:
 
 def test_models_lists_the_shared_model_at_its_step(client, served):
     models = client.models.list()
-    assert [m.id for m in models.data] == [MODEL]
+    assert [m.id for m in models.data] == [MODEL, EXPERT]
+    assert [m.model_extra["dtrain_expert"] for m in models.data] == [False, True]
     assert models.data[0].model_extra["dtrain_step"] == served["node"].step == 1
     assert client.models.retrieve(MODEL).model_extra["context_length"] == 64
     with pytest.raises(openai.NotFoundError) as e:
@@ -118,6 +126,16 @@ def test_completion_is_the_engines_text_and_is_recorded(client, served):
     assert row["reward"] is None and row["total_ms"] > 0
     again = client.completions.create(model=MODEL, prompt="To be, or not to be", max_tokens=6, temperature=0)
     assert again.choices[0].text == choice.text  # greedy on the same step: the same text
+
+
+def test_a_lora_expert_is_served_by_name(client, served):
+    kwargs = dict(prompt="To be, or not to be", max_tokens=6, temperature=0)
+    bare = client.completions.create(model=MODEL, **kwargs)
+    expert = client.completions.create(model=EXPERT, **kwargs)
+    assert expert.model == EXPERT and expert.choices[0].text != bare.choices[0].text
+    assert expert.model_extra["dtrain_step"] == 1
+    [row] = _rows(served["db"], expert.id)
+    assert (row["model"], row["expert"]) == (EXPERT, EXPERT) and _rows(served["db"], bare.id)[0]["expert"] is None
 
 
 def test_chat_uses_the_template_and_n_choices(client, served):

@@ -224,3 +224,33 @@ def test_a_new_step_is_served_once_the_running_rows_drained(model, tok):
     assert a.token_ids[0] == _greedy_reference(model, ids, 40)  # all of `a` from step 1's weights
     assert b.token_ids[0] == _greedy_reference(second, ids, 40)
     assert a.token_ids[0] != b.token_ids[0]
+
+
+def test_a_lora_expert_by_name_adds_its_delta_to_the_final_hidden_state(model, tok):
+    import numpy as np
+
+    from node.split.experts import ExpertRegistry, LoraExpert
+
+    rng = np.random.default_rng(3)
+    d = model.config.n_embd
+    expert = LoraExpert.from_matrices("banking", rng.normal(scale=0.5, size=(4, d)), rng.normal(scale=0.5, size=(d, 4)), 4.0)
+    registry = ExpertRegistry()
+    registry.add(expert)
+    engine = ServeEngine(FixedWeights(model), lambda ids: tok.decode(list(ids)), ServeConfig(), experts=registry,
+                         eos_token_id=50256)
+    engine.start()
+    ids = tok.encode("To be, or not to be").ids
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0.0)
+        with_expert = engine.submit(Generation(tuple(ids), params, expert="banking"), lambda e: None)
+        bare = engine.submit(Generation(tuple(ids), params), lambda e: None)  # the same batch, rows apart
+        assert with_expert.done.wait(60) and bare.done.wait(60)
+    finally:
+        engine.stop()
+    seq = list(ids)  # the reference: the whole sequence recomputed each token, the expert's delta on ln_f's output
+    with torch.no_grad():
+        for _ in range(6):
+            h = model.transformer(input_ids=torch.tensor([seq])).last_hidden_state[0, -1]
+            seq.append(int(_logits(model, h + expert.delta(h)).argmax()))
+    assert with_expert.token_ids[0] == seq[len(ids):]
+    assert bare.token_ids[0] == _greedy_reference(model, ids, 6) != with_expert.token_ids[0]
