@@ -189,6 +189,14 @@ def _sse(data: dict | str) -> bytes:
 async def _stream(request: web.Request, run: _Run, chat: bool, include_usage: bool) -> web.StreamResponse:
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
+    try:
+        await _events(response, run, chat, include_usage)
+    except ConnectionResetError:  # the client went away: its rows leave the batch (the caller cancels), no record
+        logger.info(f"{run.prepared.id}: the client closed the stream")
+    return response
+
+
+async def _events(response: web.StreamResponse, run: _Run, chat: bool, include_usage: bool) -> None:
     ticket, want_logprobs = run.ticket, run.prepared.generation.params.logprobs is not None
     obj = "chat.completion.chunk" if chat else "text_completion"
     offsets = [0] * run.prepared.generation.n
@@ -201,7 +209,7 @@ async def _stream(request: web.Request, run: _Run, chat: bool, include_usage: bo
         event = await run.next()
         if isinstance(event, Failed):
             await response.write(_sse(error_body(event.message, "server_error")))
-            return response
+            return
         if isinstance(event, Done):
             break
         i = event.choice
@@ -232,7 +240,6 @@ async def _stream(request: web.Request, run: _Run, chat: bool, include_usage: bo
                                                         ticket.completion_tokens))))
     await response.write(_sse("[DONE]"))
     await response.write_eof()
-    return response
 
 
 # ---- models and feedback
