@@ -38,7 +38,7 @@ def create_app(node: TrainingNode, config: NodeConfig, split: Optional[SplitServ
         split_routes.add_routes(app, split)
     if serve is not None:
         openai_routes.add_routes(app, serve)
-    metrics.setup(app, node, app.get(split_routes.SPLIT))
+    metrics.setup(app, node, app.get(split_routes.SPLIT), app.get(openai_routes.SERVE))
     openapi.setup(app)
     _add_pages(app, Path(config.static_dir))
     return app

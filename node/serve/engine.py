@@ -180,6 +180,8 @@ class ServeEngine:
         self._batch = KVBatch()  # engine thread only, rows in the order of _rows
         self._served: Optional[ServedWeights] = None
         self._default_generator = torch.Generator().manual_seed(secrets.randbits(63))
+        self.completed_requests = 0  # requests whose every choice ended (engine thread writes; read for /metrics)
+        self.generated_tokens = 0  # tokens sampled for running rows, end-of-text included
         self._token_text: dict[int, str] = {}  # logprob alternatives' texts, filled as seen (bounded by the vocab)
         self._thread = threading.Thread(target=self._run, name="dtrain-serve", daemon=True)
 
@@ -349,6 +351,7 @@ class ServeEngine:
     def _advance(self, row: _Row, choice: TokenChoice) -> None:
         """One sampled token of a running row: text, events, and whether the row ends here."""
         ticket, params = row.ticket, row.params
+        self.generated_tokens += 1
         if choice.token_id == self.eos_token_id:
             self._end(row, row.stream.finish(), "stop")
             return
@@ -380,6 +383,7 @@ class ServeEngine:
         ticket.finish_reasons[row.choice] = reason
         ticket._emit(Finish(row.choice, reason))
         if all(r is not None for r in ticket.finish_reasons):
+            self.completed_requests += 1
             ticket._emit(Done())
 
     def _token_logprob(self, choice: TokenChoice, text: str) -> TokenLogprob:
