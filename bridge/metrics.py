@@ -4,7 +4,8 @@ Each app has its own CollectorRegistry (never the process-global one: a test pro
 global registry would refuse the second app's metrics). The node's numbers are read when Prometheus scrapes,
 so nothing polls; the bridge's counters come from one middleware that sees every answer (its method, route
 template and status), so the handlers carry no metrics code. Update durations and WebSocket forward latencies
-happen outside any HTTP answer: `observe_update` and `observe_forward` are the hooks their owners call.
+happen outside any HTTP answer: `observe_update` (a node update listener) and `observe_forward` (a split
+WebSocket forward listener) are the hooks their owners call.
 """
 from __future__ import annotations
 
@@ -173,6 +174,8 @@ def setup(app: web.Application, node, split_state=None, serve_state=None) -> Bri
     """Add /metrics and the counting middleware; call it after the other middlewares are installed."""
     app[METRICS] = BridgeMetrics(node, split_state, serve_state)
     node.add_update_listener(app[METRICS].observe_update)
+    if split_state is not None:
+        split_state.forward_listeners.append(app[METRICS].observe_forward)
     # outermost: it sees the final answer, the JSON errors of bridge.http's middleware included
     app.middlewares.insert(0, metrics_middleware)
     app.router.add_get("/metrics", metrics)

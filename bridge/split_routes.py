@@ -18,6 +18,7 @@ import base64
 import binascii
 import json
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
@@ -69,6 +70,7 @@ class SplitState:
     service: SplitService
     executor: Optional[ThreadPoolExecutor] = None  # forward calls run here (created on startup)
     sockets: set = field(default_factory=set)  # open WebSocketResponses, closed on shutdown
+    forward_listeners: list = field(default_factory=list)  # called with the seconds of each WebSocket forward
 
 
 SPLIT = web.AppKey("split", SplitState)
@@ -263,8 +265,12 @@ async def stream(request: web.Request) -> web.WebSocketResponse:
                 # aiohttp already closed the socket (for an oversize frame with code 1009)
                 logger.info("split socket closed by aiohttp: %s", ws.exception())
                 break
+            started = time.perf_counter()
             answer = await _answer(state, msg, limit)
             await asyncio.wait_for(ws.send_json(answer), SEND_TIMEOUT_S)
+            if answer.get("type") == "forward":  # answered, not an error: request to sent answer
+                for listener in state.forward_listeners:
+                    listener(time.perf_counter() - started)
     except (ConnectionResetError, asyncio.TimeoutError) as e:
         logger.info("split socket dropped: %r", e)
     finally:

@@ -2,7 +2,7 @@
 
 After an update every peer publishes a record for the new epoch in the DHT (`dtrain_{run_id}_digests_{epoch}`):
 the sha256 of its parameters, its state-sharing priority (`swarm.update_bonus`: a complete gradient round over a
-failed one over a late one, distinct per peer), the group whose gradients its update averaged, and whether it
+failed one, distinct per peer), the group whose gradients its update averaged, and whether it
 already serves those bytes. The rule:
 
 1. A peer whose gradient round completed waits (bounded) for the records of its group; it stops waiting as soon
@@ -14,7 +14,7 @@ already serves those bytes. The rule:
    and the group of the update it serves holds it. Otherwise the node carries it into its next update
    (`node.gradient`).
 
-A served record outranks any later one, so a peer that updates late (or alone after a failed round) follows the
+A served record outranks any later one, so a peer that updates later (alone after a failed round, say) follows the
 peers that already serve. Records of the last KEEP_EPOCHS epochs are kept alive: a joiner of an idle swarm checks
 its download at once. Downloads are checked against these records too: hivemind may label update e's state e + 1,
 and a state downloaded from a peer inside an update can be torn.
@@ -24,6 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from enum import Enum
 from typing import Iterable, Mapping, Optional
 
 import hivemind
@@ -41,6 +42,7 @@ WAIT_MARGIN_S = 5.0  # added to the longest an update can take when a peer waits
 GROUP_MARGIN_S = 2.0  # added to one state-averaging round when a peer waits for the records of its group
 RECHECK_EVERY_S = 1.0
 LOAD_ATTEMPTS = 5  # downloads of the swarm's state until its bytes match what peers published
+RETRY_S = 1.0  # pause between two downloads: the peer it came from was inside an update
 KEEP_EPOCHS = 2  # this peer's records kept alive: the epoch it serves and the one before
 
 
@@ -68,13 +70,21 @@ class Record:
                     served=self.served)
 
 
+class Download(Enum):
+    """How a download of the swarm's state compares with what the peers published."""
+
+    CHECKED = "checked"  # the bytes the peers serve for its epoch (or the seeded model of epoch 0)
+    UNCHECKED = "unchecked"  # no peer published anything for its epoch: nothing to compare with
+    REFUSED = "refused"  # peers published other bytes for its epoch, every attempt: it must not be served
+
+
 @dataclass(frozen=True)
 class Verdict:
     """What a peer serves after an update, and whether that update applied its own gradient."""
 
-    snapshot: Snapshot
-    included: bool
-    reference: str  # the peer whose bytes it serves
+    snapshot: Optional[Snapshot]  # None: the model holds bytes nobody vouched for; keep serving the last step
+    included: bool  # the update the swarm serves holds this peer's gradient
+    reference: str  # the peer whose bytes the swarm serves
 
 
 def reference_of(records: Mapping[str, Record]) -> Optional[tuple[str, Record]]:
@@ -132,54 +142,56 @@ class Agreement:
 
     # ---- downloads -----------------------------------------------------------------------------------------
 
-    def load_state_from_peers(self, want_digest: Optional[str] = None) -> bool:
-        """Download the swarm's parameters and optimizer state: bytes that peers published for the epoch they are
-        labelled with (or exactly `want_digest`). False when no download could be checked that way.
+    def load_state_from_peers(self, want_digest: Optional[str] = None) -> Download:
+        """Download the swarm's parameters and optimizer state and check them against the records: the bytes
+        the peers serve for the epoch they are labelled with, or exactly `want_digest`.
 
         A state downloaded while its peer is inside an update can be torn (stepped, not yet averaged), and hivemind
         labels a downloaded state with the swarm's next epoch when the swarm is one epoch ahead of it ("Catching
         up with collaboration step"): the bytes of update e served as step e + 2. The records tell which epoch the
-        bytes are; anything else is downloaded again. A failed download leaves this peer's own bytes, so its own
-        record never confirms one.
+        bytes are; anything else is downloaded again. This peer shares no state of its own until it serves again
+        (`TrainingNode._publish`): its tensors are being overwritten.
         """
         opt = self.optimizer
+        opt.state_averager.allow_state_sharing = False
         for attempt in range(LOAD_ATTEMPTS):
+            if attempt and self._stop.wait(RETRY_S):
+                return Download.REFUSED
             if self._stop.is_set():
-                return False
+                return Download.REFUSED
             logger.info("Loading the swarm's parameters and optimizer state from peers")
             opt.load_state_from_peers()
             epoch, digest = opt.local_epoch, params_digest(self.model)
-            if want_digest is not None and digest == want_digest:
-                return True
+            if digest == want_digest or (epoch == 0 and digest == self.seed_digest):
+                return Download.CHECKED
             if epoch == 0:  # the seeded model is the only state of epoch 0
-                if digest == self.seed_digest and want_digest is None:
-                    return True
-                logger.info("The downloaded state is labelled 0 but is not the one wanted; loading again")
+                logger.info("The downloaded state is labelled 0 but is not the seeded model; loading again")
                 continue
             deadline = time.monotonic() + self.wait_s  # the peers may still be finishing this update
             while not (published := self._others(epoch)) and time.monotonic() < deadline:
                 if self._stop.wait(0.1):
-                    return False
-            if _has_digest(published.values(), digest) and want_digest is None:
-                return True
+                    return Download.REFUSED
+            if published and reference_of(published)[1].digest == digest:
+                return Download.CHECKED
             if _has_digest(self._others(epoch - 1).values(), digest):
                 logger.info(f"The downloaded state is that of update {epoch - 1}, labelled {epoch}; loading again")
                 opt.state_averager.local_epoch = epoch - 1
             elif not published:
                 logger.warning(f"No peer published its parameters for update {epoch}; keeping the download")
-                return False
+                return Download.UNCHECKED
             else:
                 logger.info(f"The downloaded state is not the one peers serve for update {epoch} "
                             f"(caught inside an update); loading again")
         logger.warning("Could not download a state that agrees with what its peers published")
-        return False
+        return Download.REFUSED
 
-    def check_download(self) -> bool:
-        """State hivemind downloaded by itself inside step() ("Peer is out of sync"): kept when peers published its
-        bytes for its epoch, else downloaded again through `load_state_from_peers`."""
+    def check_download(self) -> Download:
+        """State hivemind downloaded by itself inside step() ("Peer is out of sync"): kept when it is the bytes the
+        peers serve for its epoch, else downloaded again through `load_state_from_peers`."""
         epoch, digest = self.optimizer.local_epoch, params_digest(self.model)
-        if (epoch == 0 and digest == self.seed_digest) or _has_digest(self._others(epoch).values(), digest):
-            return True
+        published = self._others(epoch)
+        if (epoch == 0 and digest == self.seed_digest) or (published and reference_of(published)[1].digest == digest):
+            return Download.CHECKED
         return self.load_state_from_peers()
 
     # ---- after an update -------------------------------------------------------------------------------------
@@ -221,12 +233,13 @@ class Agreement:
                            f"loading its state")
             # follow: below the reference, so that downloads of the others come from it
             self.optimizer.state_averager.state_sharing_priority = float(epoch)
-            self.load_state_from_peers(want_digest=reference.digest)
-            snap = make_snapshot(self.model, self.optimizer.local_epoch)
-            if snap.digest != reference.digest:
-                logger.warning(f"update {epoch}: could not load peer {reference_peer}'s state; serving the swarm's "
-                               f"state of update {snap.updates}")
-                included = False
+            if self.load_state_from_peers(want_digest=reference.digest) is not Download.CHECKED:
+                # never serve bytes that disagree with the swarm's: keep serving the last step, catch up later.
+                # Whether the swarm's update holds this peer's gradient does not depend on that.
+                logger.warning(f"update {epoch}: could not load peer {reference_peer}'s state; serving the last "
+                               f"step until a download agrees with the swarm")
+                return Verdict(None, included, reference_peer)
+            snap = make_snapshot(self.model, self.optimizer.local_epoch)  # the reference's, or a later served state
         if snap.updates == epoch:
             self._publish(epoch, Record(snap.digest, self.optimizer.state_averager.state_sharing_priority,
                                         group=mine.group, clean=mine.clean, served=True))

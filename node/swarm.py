@@ -37,7 +37,6 @@ class RoundOutcome:
     epoch: int  # the epoch the update made
     group: tuple[str, ...]  # peer ids whose gradients were averaged (this peer alone when it used its own)
     clean: bool  # the gradient round completed on this peer (or it was alone): its gradient is in the average
-    late: bool  # made after the other peers had moved on (hivemind lets a peer one epoch behind do that)
 
 
 def make_local_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.optim.AdamW:
@@ -164,13 +163,21 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._round_clean = True
 
     def _update_global_epoch(self, grad_scaler) -> None:
-        late = self.tracker.global_epoch > self.local_epoch
+        if self.tracker.global_epoch > self.local_epoch:
+            # Behind the swarm. hivemind would let this peer update anyway, joining whatever gradient round the
+            # others gather next with a gradient of parameters they have left, and label the result with an epoch
+            # whose bytes the others made: its gradient was then applied in their update and, having lost the
+            # agreement, carried into a later one too. The node catches up first (TrainingNode._catch_up) and
+            # joins the swarm's next round with its gradient intact.
+            return
+        # a peer inside an update shares no state: a download would get bytes stepped but not yet averaged. The
+        # node shares again once it serves the update's agreed bytes.
+        self.state_averager.allow_state_sharing = False
         super()._update_global_epoch(grad_scaler)
-        self.last_round = RoundOutcome(epoch=self.local_epoch, group=self._round_group, clean=self._round_clean,
-                                       late=late)
+        self.last_round = RoundOutcome(epoch=self.local_epoch, group=self._round_group, clean=self._round_clean)
         if not self.client_mode:
             self.state_averager.state_sharing_priority = self.local_epoch + update_bonus(
-                self._update_bonus, clean=self._round_clean, late=late)
+                self._update_bonus, clean=self._round_clean)
 
 
 def peer_bonus(peer_id: str) -> float:
@@ -178,16 +185,14 @@ def peer_bonus(peer_id: str) -> float:
     return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") / 2 ** 32
 
 
-def update_bonus(bonus: float, clean: bool, late: bool) -> float:
+def update_bonus(bonus: float, clean: bool) -> float:
     """A peer's state-sharing priority above its epoch after an update, in (0, 1).
 
-    On time with a complete gradient round: [0.7, 0.99). On time after a failed round (its own gradient only):
-    [0.4, 0.69). Late: [0.1, 0.39). A peer that only caught up has its bare epoch. The reference of an epoch,
-    whose bytes every peer serves, is its peer of highest priority: a complete round's over a failed one's over a
-    late one's, distinct per peer.
+    With a complete gradient round: [0.7, 0.99). After a failed round (its own gradient only): [0.4, 0.69). A peer
+    that only caught up has its bare epoch. The reference of an epoch, whose bytes every peer serves, is its peer of
+    highest priority: a complete round's over a failed one's, distinct per peer.
     """
-    base = 0.1 if late else (0.7 if clean else 0.4)
-    return base + 0.29 * bonus
+    return (0.7 if clean else 0.4) + 0.29 * bonus
 
 
 class Swarm:

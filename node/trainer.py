@@ -20,7 +20,7 @@ import torch
 from hivemind.utils.logging import get_logger
 
 from node import checkpoint as ckpt
-from node.agreement import Agreement
+from node.agreement import Agreement, Download
 from node.config import ModelConfig, NodeConfig, TrainConfig
 from node.contribution import Contribution
 from node.data import TokenDataset
@@ -28,7 +28,7 @@ from node.gradient import PendingGradient
 from node.ledger import ContributorLedger
 from node.model import TensorInfo, build_model, tensor_infos
 from node.pool import ContributionPool
-from node.presence import PeerInfo, Presence
+from node.presence import ANNOUNCE_EVERY_S, PeerInfo, Presence
 from node.robust import RobustAggregator, RobustConfig, all_finite, optimizer_state_tensors
 from node.snapshot import Snapshot, make_snapshot, params_digest
 from node.swarm import SHUTDOWN_TIMEOUT_S, Swarm, make_local_optimizer
@@ -93,6 +93,7 @@ class TrainingNode:
         self._update_listeners: list[Callable[[float], None]] = []
         self._last_update_s = 0.0
         self._last_checkpoint_epoch = 0
+        self._unverified = False  # the model holds downloaded bytes the swarm disagrees with: catch up, never serve
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by the pool when a hand-over is ready
         self.pool.on_ready(self._wake.set)
@@ -216,14 +217,27 @@ class TrainingNode:
             swarm.wait_for_progress(timeout_s=10.0)
             behind = opt.tracker.global_epoch > opt.local_epoch
             if restored is None or behind or not self._swarm_serves_my_bytes():
-                checked = self.agreement.load_state_from_peers()
+                checked = self._join_download(cfg.swarm.load_state_timeout_s) is Download.CHECKED
         snap = make_snapshot(self.model, opt.local_epoch)
         if checked and snap.updates > 0:
             self.agreement.vouch(snap)
         self._publish(snap)
         self._last_checkpoint_epoch = opt.local_epoch
-        self.presence.refresh(snap.step, 0)  # and learn who is in the swarm
+        if any(peer != swarm.peer_id for peer in self.presence.refresh(snap.step, 0)):
+            # ready once every node has read this one's announcement: until then a node that takes a packet
+            # believes it is alone and updates at once, and this node, behind, has to catch up before its first
+            # update can join the swarm's
+            self._stop.wait(ANNOUNCE_EVERY_S + 0.5)
         logger.info(f"Node ready at step {snap.step} (epoch {snap.updates})")
+
+    def _join_download(self, timeout_s: float) -> Download:
+        """A joiner serves nothing the swarm disagrees with: it downloads until the bytes agree (bounded)."""
+        deadline = time.monotonic() + timeout_s
+        while (result := self.agreement.load_state_from_peers()) is Download.REFUSED:
+            if self._stop.is_set() or time.monotonic() >= deadline:
+                raise RuntimeError(f"could not download a state that agrees with what the swarm's peers publish "
+                                   f"within {timeout_s:.0f}s; is the swarm training faster than this link?")
+        return result
 
     def _swarm_serves_my_bytes(self) -> bool:
         """A restored checkpoint of the swarm's current epoch: do the peers serve the same bytes?"""
@@ -252,6 +266,8 @@ class TrainingNode:
             logger.info("Swarm connection closed")
 
     def _alone(self) -> bool:
+        if self.presence.due():  # a node that joined since the last look must not be missed
+            self.presence.refresh(self.step, self.gradient.samples)
         return self.presence.alone() and self.swarm.optimizer.tracker.global_progress.num_peers <= 1
 
     def _iteration(self) -> bool:
@@ -266,10 +282,10 @@ class TrainingNode:
         if self.dataset is not None and self._wants_local_batch():
             self._local_batch()
             worked = True
+        # a peer behind the swarm takes its state first, so that its gradient joins the swarm's next round
+        self._catch_up()
         if self.gradient.samples > 0:
             self._step()  # lets hivemind schedule and run the update the swarm is gathering samples for
-        else:
-            self._catch_up()
         if self.presence.due():
             self.presence.refresh(self.step, self.gradient.samples)
             self.agreement.keep_alive()
@@ -310,6 +326,8 @@ class TrainingNode:
         opt = self.swarm.optimizer
         # a peer that served this epoch's bytes after we compared; always right before an update
         self._recheck(force=opt.tracker.ready_to_update_epoch)
+        if self._unverified:
+            return  # no update on bytes the swarm disagrees with: _catch_up first
         counted = opt.grad_averager  # hivemind's own counters: a download resets them without a new epoch
         new_samples = max(self.gradient.samples - counted.local_samples_accumulated, 0)
         self.gradient.write_grads(list(self.model.parameters()), counted.local_times_accumulated + 1)
@@ -350,7 +368,10 @@ class TrainingNode:
             self.gradient.carry()
             logger.info(f"update {outcome.epoch} went without this node's gradient (peer {verdict.reference}'s "
                         f"bytes); carrying {self.gradient.samples} samples into the next update")
-        self._publish(verdict.snapshot)
+        if verdict.snapshot is None:
+            self._unverified = True  # keep serving the last step; _catch_up downloads again
+        else:
+            self._publish(verdict.snapshot)
 
     def _refuse_non_finite(self, before: Snapshot) -> None:
         """Never a non-finite model: an update that left a parameter or Adam moment non-finite (a peer's average,
@@ -371,16 +392,24 @@ class TrainingNode:
         if opt.tracker.global_epoch > opt.local_epoch:
             # the swarm moved on without us: take its state (nothing pending is dropped)
             logger.info(f"Behind the swarm (epoch {opt.local_epoch} < {opt.tracker.global_epoch}); loading state")
-            self._after_catch_up(self.agreement.load_state_from_peers())
+        elif not self._unverified:
+            return
+        self._after_catch_up(self.agreement.load_state_from_peers())
 
-    def _after_catch_up(self, checked: bool) -> None:
+    def _after_catch_up(self, download: Download) -> None:
         if self.gradient.samples:
             self.gradient.carry()
+        if download is Download.REFUSED:
+            self._unverified = True
+            logger.warning(f"Serving step {self.step} until a download agrees with the swarm")
+            return
+        self._unverified = False
         served = self.snapshot()
         if self.swarm.epoch == served.updates and params_digest(self.model) == served.digest:
+            self._share_state()
             return  # nothing new: no copy and FP16 conversion of the whole model
         snap = make_snapshot(self.model, self.swarm.epoch)
-        if checked:
+        if download is Download.CHECKED:
             self.agreement.vouch(snap)
         else:
             logger.warning(f"Serving update {snap.updates} without a check against its peers' records")
@@ -389,11 +418,18 @@ class TrainingNode:
     def _recheck(self, force: bool) -> None:
         snap = self._snapshot
         agreed = self.agreement.recheck(snap, force)
-        if agreed is not snap:
+        if agreed is None:
+            self._unverified = True
+        elif agreed is not snap:
             self._publish(agreed)
+
+    def _share_state(self) -> None:
+        # the model's bytes are the ones this node serves: peers may download them (off during updates and loads)
+        self.swarm.optimizer.state_averager.allow_state_sharing = True
 
     def _publish(self, snap: Snapshot) -> None:
         self._snapshot = snap
+        self._share_state()
         norm = float(np.sqrt(sum(np.dot(a.astype(np.float64), a) for a in snap.f32)))
         logger.info(f"step {snap.step} params sha256 {snap.digest} l2 {norm:.12e}")
         for callback in self._snapshot_listeners:

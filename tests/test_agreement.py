@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from node import swarm
-from node.agreement import Agreement
+from node.agreement import Agreement, Download
 from node.config import ModelConfig, SwarmConfig, TrainConfig
 from node.model import build_model
 from node.snapshot import make_snapshot, params_digest
@@ -65,9 +65,9 @@ def test_peers_of_one_round_serve_the_reference_bytes_with_both_gradients(peers)
     assert ref_snap.digest != other_snap.digest
     verdicts = {}
     waiter = threading.Thread(target=lambda: verdicts.update(
-        ref=reference.agreement.after_update(ref_snap, RoundOutcome(EPOCH, group, clean=True, late=False))))
+        ref=reference.agreement.after_update(ref_snap, RoundOutcome(EPOCH, group, clean=True))))
     waiter.start()
-    verdicts["other"] = other.agreement.after_update(other_snap, RoundOutcome(EPOCH, group, clean=True, late=False))
+    verdicts["other"] = other.agreement.after_update(other_snap, RoundOutcome(EPOCH, group, clean=True))
     waiter.join(30)
     assert verdicts["ref"].snapshot is ref_snap  # the reference keeps its own parameters
     assert verdicts["other"].snapshot.digest == ref_snap.digest == params_digest(other.model)
@@ -86,11 +86,11 @@ def test_a_served_update_outranks_a_later_one_which_carries_its_gradient(peers):
     reference, other = peers
     other_snap = other.snapshot()
     # `other`'s gradient round failed: it updated with its own gradient, and serves it (it waits for nobody)
-    failed = RoundOutcome(EPOCH, (other.peer_id,), clean=False, late=False)
+    failed = RoundOutcome(EPOCH, (other.peer_id,), clean=False)
     verdict = other.agreement.after_update(other_snap, failed)
     assert verdict.snapshot is other_snap and verdict.included
     # the higher-priority peer publishes later, from a round without `other`: it follows the served bytes
-    alone = RoundOutcome(EPOCH, (reference.peer_id,), clean=True, late=False)
+    alone = RoundOutcome(EPOCH, (reference.peer_id,), clean=True)
     verdict = reference.agreement.after_update(reference.snapshot(), alone)
     assert verdict.snapshot.digest == other_snap.digest == params_digest(reference.model)
     assert verdict.reference == other.peer_id
@@ -104,5 +104,5 @@ def test_a_failed_download_is_not_confirmed_by_the_own_record(peers):
     other.agreement.vouch(other_snap)  # its own record of this epoch is in the DHT
     assert set(other.agreement.records(EPOCH)) == {other.agreement.peer_id}
     reference.shutdown()  # the download finds no peer and leaves `other` with its own bytes
-    assert other.agreement.load_state_from_peers() is False
+    assert other.agreement.load_state_from_peers() is Download.UNCHECKED  # nobody else published: unconfirmed
     assert params_digest(other.model) == other_snap.digest

@@ -148,11 +148,17 @@ def test_split_sessions_sockets_and_forward_latency(node):
             async with session.ws_connect(node.url + "/api/v1/split/stream") as ws:
                 await ws.send_json({"type": "ping"})
                 await ws.receive_json(timeout=30)
+                await ws.send_str(_forward_body("metrics-s2").decode())  # a WebSocket forward: timed as "ws"
+                assert (await ws.receive_json(timeout=30))["type"] == "forward"
+                await ws.send_json({"type": "forward"})  # an error answer: not a forward, not timed
+                assert (await ws.receive_json(timeout=30))["type"] == "error"
                 return await asyncio.get_running_loop().run_in_executor(None, scrape, node)
 
     _, during = asyncio.run(run())
     assert value(during, "dtrain_split_sockets") == 1
-    assert value(during, "dtrain_split_sessions") == 1
+    assert value(during, "dtrain_split_sessions") == 2
+    assert value(during, "dtrain_split_forward_seconds_count", transport="ws") == 1
+    assert value(during, "dtrain_split_forward_seconds_sum", transport="ws") > 0
     assert value(during, "dtrain_split_forward_seconds_count", transport="http") == 1
     assert value(during, "dtrain_split_forward_seconds_bucket", transport="http", le="+Inf") == 1
     assert value(during, "dtrain_split_forward_seconds_sum", transport="http") > 0

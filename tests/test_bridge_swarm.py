@@ -8,6 +8,8 @@ from bridge import dgrd
 from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, print_logs, wait_until
 from tests.test_bridge_semantics import download_f32, submit
 
+pytestmark = pytest.mark.swarm
+
 SAMPLES = 4  # per packet; the swarm's target is both nodes' packets together
 
 

@@ -3,6 +3,7 @@ also when hivemind has no average to offer (one peer, several step() calls; or a
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -82,3 +83,35 @@ def test_failed_gradient_round_applies_the_local_gradient(single_peer):
     opt._load_local_gradients_into_optimizer()
     for p, g in zip(model.parameters(), grads):
         assert torch.equal(p.grad, g)
+
+
+def test_a_peer_behind_the_swarm_does_not_update_until_it_caught_up(single_peer):
+    """hivemind lets a peer one epoch behind update anyway, joining the others' next gradient round with a gradient
+    of parameters they have left; its gradient was then applied in their update and carried into a later one too."""
+    model_a, _, opt_a, grads_a = single_peer
+    model_b = build_model(ModelConfig.load(TINY_CONFIG))
+    config = SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), initial_peers=tuple(opt_a.dht.get_visible_maddrs()),
+                         run_id=opt_a.run_id, target_batch_size=6, matchmaking_time_s=1.0, request_timeout_s=0.5,
+                         averaging_timeout_s=5.0)
+    grads_b = []
+    peer_b = swarm.Swarm(config, swarm.make_local_optimizer(model_b, TRAIN), local_gradients=lambda: grads_b)
+    try:
+        opt_b = peer_b.optimizer
+        grads_a[:] = grads_b[:] = _gradient(model_a)
+        for model, grads in ((model_a, grads_a), (model_b, grads_b)):
+            with torch.no_grad():
+                for p, g in zip(model.parameters(), grads):
+                    p.grad.copy_(g)
+        opt_b.step(batch_size=2)  # B accumulates toward the target of epoch 0 ...
+        opt_a.step(batch_size=6)  # ... and A reaches it and updates without B (B is not gathering a round)
+        assert opt_a.local_epoch == 1
+        deadline = time.monotonic() + 10
+        while opt_b.tracker.global_epoch < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert opt_b.tracker.global_epoch == 1
+        before = [p.detach().clone() for p in model_b.parameters()]
+        opt_b.step(batch_size=4)
+        assert opt_b.local_epoch == 0 and opt_b.last_round is None
+        assert all(torch.equal(p, q) for p, q in zip(model_b.parameters(), before))
+    finally:
+        peer_b.shutdown()
