@@ -1,6 +1,6 @@
 """The price and the worth of robust aggregation (issue #9), in held-out loss.
 
-In-process, no node: `--contributors` simulated browsers follow `bridge/contribute.py`'s code path (compute,
+In-process, no node: `--contributors` simulated browsers follow `clients/contribute.py`'s code path (compute,
 top-k 1% with error feedback in `Contributor.make_packet`, DGRD encode, then `dgrd.decode` as the bridge
 does), one packet each per hand-over; the hand-over's packets go through the aggregator and the result is
 applied with torch AdamW on `static/train_config.json`'s settings. Every run sees the same batches, so the
@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bridge import dgrd  # noqa: E402
-from bridge.contribute import ContributeConfig, Contributor  # noqa: E402
+from clients.contribute import ContributeConfig, Contributor  # noqa: E402
 from node import robust  # noqa: E402
 from node.config import DEFAULT_STATIC_DIR, ModelConfig, TrainConfig  # noqa: E402
 from node.contribution import Contribution, add_sections  # noqa: E402
