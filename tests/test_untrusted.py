@@ -10,6 +10,7 @@ import urllib.request
 
 import numpy as np
 import pytest
+import torch
 
 from bridge import dgrd
 from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, wait_until
@@ -183,3 +184,47 @@ def test_a_contributor_over_its_rate_gets_429_with_retry_after(node):
     assert status == 429 and float(headers["Retry-After"]) > 0 and "eager" in body["message"]
     record = {r["node_id"]: r for r in node.get_json("/api/v1/contributors")["contributors"]}["eager"]
     assert record["accepted"] == 2 and record["rejected"] == {"rate_limited": 1}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the opt-in direction check (--min-cosine) on a real node: its reference is the node's own Adam momentum
+
+
+def test_direction_check_drops_a_packet_against_the_momentum_and_nothing_else(tmp_path):
+    (tmp_path / "train.json").write_text(json.dumps({**TRAIN, "min_nodes_for_update": 1}))
+    proc = NodeProcess("direction", ["--model-config", str(TINY_CONFIG), "--train-config", str(tmp_path / "train.json"),
+                                     "--no-data", "--min-cosine", "-0.05"], new_run_id())
+    try:
+        proc.wait_ready()
+        manifest = proc.get_json("/api/v1/model/manifest")["tensors"]
+        step, start = download_f32(proc, manifest)
+        rng = np.random.default_rng(3)
+        idx = [np.sort(rng.choice(t["elements"], max(1, t["elements"] // 50), replace=False)) for t in manifest]
+        g1 = [rng.normal(0, GRAD_SCALE, i.size).astype(np.float32) for i in idx]
+        g2 = [(0.5 * a + rng.normal(0, GRAD_SCALE, a.size)).astype(np.float32) for a in g1]  # cos with g1 ~ +0.45
+        packet = lambda s, who, g: dgrd.encode(s, who, 3.0, 4, list(zip(range(len(idx)), idx, g)))  # noqa: E731
+        assert post(proc, packet(step, "first", g1), token=None)[0] == 200
+        wait_until(lambda: _step(proc) == step + 1, 60, "the first update")  # no momentum before it: not checked
+        assert post(proc, packet(step + 1, "flipper", [-a for a in g1]), token=None)[0] == 200
+        wait_until(lambda: proc.get_json("/api/v1/contributors")["contributors"][0]["node_id"] == "flipper"
+                   and proc.get_json("/api/v1/contributors")["contributors"][0]["outliers"] == 1, 30, "the flip counted")
+        assert post(proc, packet(step + 1, "second", g2), token=None)[0] == 200
+        wait_until(lambda: _step(proc) == step + 2, 60, "the second update")
+        _, after = download_f32(proc, manifest)
+        ledger = {r["node_id"]: r for r in proc.get_json("/api/v1/contributors")["contributors"]}
+        assert (ledger["flipper"]["accepted"], ledger["flipper"]["outliers"], ledger["flipper"]["samples_credited"]) == (1, 1, 0)
+        assert all((ledger[w]["outliers"], ledger[w]["samples_credited"]) == (0, 4) for w in ("first", "second"))
+        # the bytes are those of two AdamW steps on g1 then g2 alone: the flipped packet added nothing
+        params = [torch.nn.Parameter(torch.from_numpy(a.copy())) for a in start]
+        opt = torch.optim.AdamW(params, lr=TRAIN["learning_rate"], betas=(TRAIN["beta1"], TRAIN["beta2"]),
+                                eps=TRAIN["eps"], weight_decay=TRAIN["weight_decay"])
+        for g in (g1, g2):
+            for p, i, v in zip(params, idx, g):
+                p.grad = torch.zeros_like(p)
+                p.grad[torch.from_numpy(i)] = torch.from_numpy(v)
+            opt.step()
+        for tid, (p, a) in enumerate(zip(params, after)):
+            np.testing.assert_allclose(a, p.detach().numpy(), rtol=1e-5, atol=1e-7, err_msg=f"tensor {tid}")
+        assert proc.get_json("/api/v1/server/losses") == [pytest.approx(3.0), pytest.approx(3.0)]
+    finally:
+        proc.kill()
