@@ -13,7 +13,7 @@ the mean the swarm averages. Three defences, each a no-op for honest contributio
 3. Direction check (opt-in, `min_cosine`): a gradient whose cosine with a reference direction (the node passes
    its Adam first moment, exp_avg: the swarm's recent direction) is below `min_cosine` counts with weight 0.
    No statistic of one hand-over tells a sign-flipped top-1% packet apart (its norm and its distance from the
-   others are honest ones); its direction against history does (bench/bench_robust.py). Off by default: an honest
+   others are honest ones); its direction against history does (docs/robustness.md). Off by default: an honest
    gradient may point against the momentum (an overshoot, a new kind of batch), and NOTES.md wants its exact mean.
 4. Robust centre: CenteredClip (Karimireddy et al. 2021, as used by BTARD-SGD, Gorbunov et al. 2022):
    `v <- v + sum_i w_i c_i (g_i - v) / sum_i w_i` with `c_i = min(1, tau / |g_i - v|)`. When no `c_i` is
@@ -91,8 +91,8 @@ class RobustConfig:
     # The node passes its max_samples_per_packet, so it holds even for packets that bypassed the gate.
     max_samples: Optional[int] = None
     # A contribution whose cosine with the reference direction (the node's Adam exp_avg) is below this counts with
-    # weight 0 (unitless, -1 .. <1); None: no direction check. Honest top-1% packets of the bench sit at +0.07 .. +0.3
-    # against the momentum, sign-flipped ones at minus that. Off by default (see the module docstring).
+    # weight 0 (unitless, -1 .. <1); None: no direction check. Honest top-1% packets of the bench sit at +0.15 or more
+    # against the momentum (docs/robustness.md), sign-flipped ones at minus that. Off by default (see the module docstring).
     min_cosine: Optional[float] = None
     # Reported train_loss is clamped to [0, max_loss] (nats): cross-entropy is never negative, and one
     # packet must not move the loss history anywhere.
