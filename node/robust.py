@@ -92,7 +92,7 @@ class RobustConfig:
     max_samples: Optional[int] = None
     # A contribution whose cosine with the reference direction (the node's Adam exp_avg) is below this counts with
     # weight 0 (unitless, -1 .. <1); None: no direction check. Honest top-1% packets of the bench sit at +0.15 or more
-    # against the momentum (docs/robustness.md), sign-flipped ones at minus that. Off by default (see the module docstring).
+    # against the momentum (docs/robustness.md), sign-flipped ones at minus that. Off by default (module docstring).
     min_cosine: Optional[float] = None
     # Reported train_loss is clamped to [0, max_loss] (nats): cross-entropy is never negative, and one
     # packet must not move the loss history anywhere.

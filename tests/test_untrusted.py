@@ -73,8 +73,9 @@ def adamw_ratio_bound(t: int, beta1: float, beta2: float) -> float:
     """The largest |m_hat_t| / sqrt(v_hat_t) any gradient sequence can give AdamW at its step t.
 
     m_t = (1 - b1) sum_k b1^(t-k) g_k and v_t = (1 - b2) sum_k b2^(t-k) g_k^2; Cauchy-Schwarz on
-    sum_k (b1^(t-k) / b2^((t-k)/2)) (b2^((t-k)/2) g_k) gives |m_t| <= (1 - b1) sqrt(sum_j (b1^2/b2)^j) sqrt(v_t / (1 - b2)),
-    with equality for one choice of the g_k; bias correction multiplies by sqrt(1 - b2^t) / (1 - b1^t). At t = 1 it is 1.
+    sum_k (b1^(t-k) / b2^((t-k)/2)) (b2^((t-k)/2) g_k) gives
+    |m_t| <= (1 - b1) sqrt(sum_j (b1^2/b2)^j) sqrt(v_t / (1 - b2)), with equality for one choice of the g_k;
+    bias correction multiplies by sqrt(1 - b2^t) / (1 - b1^t). At t = 1 it is 1.
     """
     r = beta1 ** 2 / beta2
     return ((1 - beta1) / np.sqrt(1 - beta2) * np.sqrt((1 - r ** t) / (1 - r))
@@ -116,7 +117,8 @@ def attack_packets(attack: str, step: int, rng, support, truth, honest: list[lis
         return [(dgrd.encode(step, attack, 3.0, 4, [(tid, idx, rng.normal(0, 1, idx.size).astype(np.float32))
                                                     for tid, idx, _ in mine]), 200)]
     if attack == "huge_samples":  # above the cap: refused whole; at the cap: accepted, weighted as claimed
-        return [(dgrd.encode(step, attack, 3.0, 2**32 - 1, flip), 400), (dgrd.encode(step, attack, 3.0, 256, flip), 200)]
+        return [(dgrd.encode(step, attack, 3.0, 2**32 - 1, flip), 400),
+                (dgrd.encode(step, attack, 3.0, 256, flip), 200)]
     if attack == "little_is_enough":  # Baruch et al. 2019: mean - z std of the honest packets, coordinate-wise
         values = np.stack([np.concatenate([v for _, _, v in h]) for h in honest])
         shifted = values.mean(axis=0) - 1.0 * values.std(axis=0)
@@ -206,13 +208,14 @@ def test_direction_check_drops_a_packet_against_the_momentum_and_nothing_else(tm
         assert post(proc, packet(step, "first", g1), token=None)[0] == 200
         wait_until(lambda: _step(proc) == step + 1, 60, "the first update")  # no momentum before it: not checked
         assert post(proc, packet(step + 1, "flipper", [-a for a in g1]), token=None)[0] == 200
-        wait_until(lambda: proc.get_json("/api/v1/contributors")["contributors"][0]["node_id"] == "flipper"
-                   and proc.get_json("/api/v1/contributors")["contributors"][0]["outliers"] == 1, 30, "the flip counted")
+        latest = lambda: proc.get_json("/api/v1/contributors?limit=1")["contributors"][0]  # noqa: E731
+        wait_until(lambda: latest()["node_id"] == "flipper" and latest()["outliers"] == 1, 30, "the flip counted")
         assert post(proc, packet(step + 1, "second", g2), token=None)[0] == 200
         wait_until(lambda: _step(proc) == step + 2, 60, "the second update")
         _, after = download_f32(proc, manifest)
         ledger = {r["node_id"]: r for r in proc.get_json("/api/v1/contributors")["contributors"]}
-        assert (ledger["flipper"]["accepted"], ledger["flipper"]["outliers"], ledger["flipper"]["samples_credited"]) == (1, 1, 0)
+        flipper = ledger["flipper"]
+        assert (flipper["accepted"], flipper["outliers"], flipper["samples_credited"]) == (1, 1, 0)
         assert all((ledger[w]["outliers"], ledger[w]["samples_credited"]) == (0, 4) for w in ("first", "second"))
         # the bytes are those of two AdamW steps on g1 then g2 alone: the flipped packet added nothing
         params = [torch.nn.Parameter(torch.from_numpy(a.copy())) for a in start]
