@@ -138,8 +138,15 @@ def _paths() -> dict:
         "/api/v1/train/submit": {"post": _op(
             "Submit one DGRD gradient packet computed at a recent step", train, {
                 200: _json("accepted", _ref("SubmitOk")),
-                400: _error("malformed packet (the message names the field); carries server_step"),
+                400: _error("malformed packet (the message names the field), or samples above "
+                            "max_samples_per_packet (the message names the cap); carries server_step"),
+                401: _json("a closed node (--contributor-tokens) and no 'Authorization: Bearer <token>' naming one "
+                           "of its tokens; answered before the body is read, nothing applied",
+                           _ref("Error"), ("WWW-Authenticate",)),
                 409: _error("the packet's step is outside the late window; fetch the latest model (server_step)"),
+                429: _json("this node_id (or, with an address limit, this client address) is over its rate limit "
+                           "(--rate-limit, --rate-burst); nothing applied, retry after Retry-After seconds",
+                           _ref("Error"), ("Retry-After",)),
                 **_LENGTH_ERRORS,
             }, body={"required": True, "description": "a DGRD packet (docs/ and bridge/dgrd.py)",
                      "content": {BYTES: {"schema": {"type": "string", "format": "binary"}}}})},
@@ -210,8 +217,11 @@ def _headers() -> dict:
         "X-Model-Step": "model step the bytes belong to", "X-Tensor-Id": "tensor id",
         "X-Tensor-Offset": "first element", "X-Tensor-Count": "elements in the body",
         "X-Tensor-Format": "f16 or f32", "X-Batch-Size": "sequences in the body", "X-Seq-Len": "tokens per sequence",
+        "Retry-After": "whole seconds until the contributor's rate limit lets a packet through",
+        "WWW-Authenticate": "Bearer realm=\"dtrain\"",
     }
-    return {name: {"description": text, "schema": {"type": "string" if name == "X-Tensor-Format" else "integer"}}
+    strings = ("X-Tensor-Format", "WWW-Authenticate")
+    return {name: {"description": text, "schema": {"type": "string" if name in strings else "integer"}}
             for name, text in described.items()}
 
 

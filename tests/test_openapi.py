@@ -1,8 +1,8 @@
 """The OpenAPI document against real nodes: every registered route is described, and every documented status of
 every operation is answered by a real node to a real request of this module (and no other status is).
 
-How the statuses are checked: two real nodes (`node`: started as `make node` starts it; `other`: --no-data and a
---split-model directory, for the answers only such a node gives) get one request per documented (operation,
+How the statuses are checked: two real nodes (`node`: started as `make node` starts it; `other`: --no-data, a
+--split-model directory, contributor tokens and a one-packet rate limit, for the answers only such a node gives) get one request per documented (operation,
 status) from the table below. Each answer is checked against its documented status and media type; then both
 nodes' /metrics are read, and the set of (method, route template, status) their middleware counted in
 dtrain_http_requests_total must equal the document's. This module needs no other test module, so it holds when
@@ -29,13 +29,17 @@ from tests.test_bridge_metrics import scrape
 pytestmark = pytest.mark.timeout(300)
 
 TINY = json.loads(TINY_CONFIG.read_text())
+TOKEN = "openapi-token"
+BEARER = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    split_dir = tmp_path_factory.mktemp("openapi") / "untied-gpt2"
+    tmp = tmp_path_factory.mktemp("openapi")
+    split_dir = tmp / "untied-gpt2"
+    (tmp / "tokens").write_text(TOKEN + "\n")
     # an LM head apart from the embedding: /api/v1/split/lm_head then answers 200 (a tied head's answer is 404)
     GPT2LMHeadModel(GPT2Config(vocab_size=TINY["vocab_size"], n_positions=TINY["max_seq_len"], n_embd=TINY["d_model"],
                                n_layer=1, n_head=TINY["n_heads"], tie_word_embeddings=False)).save_pretrained(split_dir)
@@ -48,7 +52,8 @@ def nodes(tmp_path_factory):
         started["other"] = _start("openapi-other", ["--model-config", str(TINY_CONFIG), "--no-data",
                                                     "--split-model", str(split_dir), "--no-capture",
                                                     "--serve-max-batch", "1", "--serve-max-n", "1",
-                                                    "--serve-queue", "0"])
+                                                    "--serve-queue", "0", "--contributor-tokens",
+                                                    str(tmp / "tokens"), "--rate-limit", "0.001", "--rate-burst", "1"])
         yield started
     finally:
         for proc in started.values():
@@ -84,7 +89,7 @@ def _v1(body: dict, **options) -> dict:
     return {"body": json.dumps(body).encode(), "headers": {"Content-Type": "application/json"}, **options}
 
 
-def _requests(step: int) -> list[tuple[str, str, str, dict, int]]:
+def _requests(step: int, other_step: int) -> list[tuple[str, str, str, dict, int]]:
     """(node, method, path, options for _send, expected status): one row per documented status."""
     json_h = {"Content-Type": "application/json"}
     model = TINY["name"]
@@ -102,6 +107,12 @@ def _requests(step: int) -> list[tuple[str, str, str, dict, int]]:
         ("node", "POST", "/api/v1/train/submit", {"body": b"junk"}, 400),
         ("node", "POST", "/api/v1/train/submit", {"body": small_packet(step), "chunked": True}, 411),
         ("node", "POST", "/api/v1/train/submit", {"claim": 10**12}, 413),
+        ("other", "POST", "/api/v1/train/submit", {"body": small_packet(other_step)}, 401),  # closed: no token
+        ("other", "POST", "/api/v1/train/submit", {"body": small_packet(other_step), "headers": {
+            "Authorization": "Bearer not-a-token"}}, 401),
+        # burst 1: the first packet of a node_id passes, the next one right after it is over the limit
+        ("other", "POST", "/api/v1/train/submit", {"body": small_packet(other_step, "eager"), "headers": BEARER}, 200),
+        ("other", "POST", "/api/v1/train/submit", {"body": small_packet(other_step, "eager"), "headers": BEARER}, 429),
         ("node", "GET", "/api/v1/server/losses", {}, 200),
         ("node", "GET", "/api/v1/data/batch?batch_size=2&seq_len=8", {}, 200),
         ("node", "GET", "/api/v1/data/batch?batch_size=0", {}, 400),
@@ -161,6 +172,10 @@ def _documented_media(doc: dict, method: str, template: str, status: int) -> set
     return set(response.get("content", {}))
 
 
+def _documented_headers(doc: dict, method: str, template: str, status: int) -> set[str]:
+    return set(doc["paths"][template][method.lower()]["responses"][str(status)].get("headers", {}))
+
+
 def _template(path: str, doc: dict) -> str:
     """The documented path template a concrete path matches (literal paths first, as aiohttp routes them)."""
     path = path.split("?")[0]
@@ -207,9 +222,11 @@ def _upgrade(node) -> None:
 def test_every_documented_status_is_answered_and_no_other(nodes):
     doc = nodes["node"].get_json("/api/v1/openapi.json")
     assert doc == openapi.document()
-    for who, method, path, options, status in _requests(current_step(nodes["node"])):
+    for who, method, path, options, status in _requests(current_step(nodes["node"]), current_step(nodes["other"])):
         a = _send(nodes[who], method, path, **options)
         assert a.status == status, (who, method, path, a.status, a.body[:300])
+        missing = {h for h in _documented_headers(doc, method, _template(path, doc), status) if h not in a.headers}
+        assert not missing, (method, path, status, "documented headers not sent", missing)
         media = _documented_media(doc, method, _template(path, doc), status)
         if media and "*/*" not in media:
             assert a.headers["Content-Type"].split(";")[0] in media, (path, a.headers["Content-Type"], media)
