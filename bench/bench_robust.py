@@ -1,6 +1,6 @@
 """The price and the worth of robust aggregation (issue #9), in held-out loss.
 
-In-process, no node: `--contributors` simulated browsers follow `bridge/contribute.py`'s code path (compute,
+In-process, no node: `--contributors` simulated browsers follow `clients/contribute.py`'s code path (compute,
 top-k 1% with error feedback in `Contributor.make_packet`, DGRD encode, then `dgrd.decode` as the bridge
 does), one packet each per hand-over; the hand-over's packets go through the aggregator and the result is
 applied with torch AdamW on `static/train_config.json`'s settings. Every run sees the same batches, so the
@@ -14,6 +14,10 @@ Attacks (the first 20% or 40% of the contributors, colluding, every hand-over):
 - huge_samples: sign-flipped, claiming `max_samples_per_packet` samples (the gate refuses more);
 - little_is_enough (Baruch et al. 2019): knowing this hand-over's honest packets, send mean - z std on
   every coordinate any of them touched, z from the number of contributors and attackers.
+
+`--direction-check C` adds rows with the opt-in direction check (`RobustConfig.min_cosine = C`, the node's
+`--min-cosine`): honest, and each of `--direction-attacks` at the largest fraction; the reference direction is
+the AdamW exp_avg of the run, as the node passes its own.
 
     python bench/bench_robust.py [--model-config configs/tiny.json] [--hand-overs 60] [--plot bench/robust.png]
 """
@@ -31,7 +35,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bridge import dgrd  # noqa: E402
-from bridge.contribute import ContributeConfig, Contributor  # noqa: E402
+from bridge.gate import DEFAULT_MAX_SAMPLES_PER_PACKET  # noqa: E402
+from clients.contribute import ContributeConfig, Contributor  # noqa: E402
 from node import robust  # noqa: E402
 from node.config import DEFAULT_STATIC_DIR, ModelConfig, TrainConfig  # noqa: E402
 from node.contribution import Contribution, add_sections  # noqa: E402
@@ -181,7 +186,9 @@ def run_swarm(setup: Setup, mode: str, config: robust.RobustConfig | None, attac
                 add_sections(sums, c.sections, float(c.samples))
             samples = sum(c.samples for c in contribs)
         else:
-            result = aggregator.aggregate(contribs)
+            state = [opt.state.get(p, {}).get("exp_avg") for p in model.parameters()]
+            reference = None if any(m is None for m in state) else [m.reshape(-1).numpy() for m in state]
+            result = aggregator.aggregate(contribs, reference)
             sums, samples = result.sums, result.samples
             bad_ids = {contributors[i].node_id for i in range(n_bad)}
             flagged_bad += sum(r.outlier for r in result.reports if r.contributor in bad_ids)
@@ -202,7 +209,8 @@ def main():
     p.add_argument("--batch-size", type=int, default=2, help="sequences per packet (an honest browser's batch)")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--topk", type=float, default=0.01)
-    p.add_argument("--max-samples", type=int, default=64, help="max_samples_per_packet the gate allows")
+    p.add_argument("--max-samples", type=int, default=DEFAULT_MAX_SAMPLES_PER_PACKET,
+                   help="max_samples_per_packet the gate allows (default: the node's)")
     p.add_argument("--eval-sequences", type=int, default=32)
     p.add_argument("--fractions", default="0.2,0.4")
     p.add_argument("--attacks", default=",".join(ATTACKS))
@@ -214,6 +222,9 @@ def main():
     p.add_argument("--clip-multiple", type=float, default=defaults.clip_multiple)
     p.add_argument("--tau-multiple", type=float, default=defaults.tau_multiple)
     p.add_argument("--max-weight-multiple", type=float, default=defaults.max_weight_multiple)
+    p.add_argument("--direction-check", type=float, default=None, metavar="MIN_COSINE",
+                   help="also rows with the direction check at this min_cosine (the node's --min-cosine)")
+    p.add_argument("--direction-attacks", default="sign_flip,little_is_enough,huge_samples")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--plot", default="", help="PNG path for a bar plot (needs matplotlib)")
@@ -243,6 +254,13 @@ def main():
             runs.append((f"{attack} {int(f * 100)}%, robust default", "sparse", robust_cfg, attack, f, f"{attack}_{f}"))
             if args.plain_attacks:
                 runs.append((f"{attack} {int(f * 100)}%, plain mean", "sparse", None, attack, f, f"{attack}_{f}_p"))
+    if args.direction_check is not None:
+        checked = dataclasses.replace(robust_cfg, min_cosine=args.direction_check)
+        worst = max(float(x) for x in args.fractions.split(","))
+        tag = f"robust + direction check ({args.direction_check:g})"
+        runs.append((f"top-1% honest, {tag}", "sparse", checked, None, 0.0, "honest_direction"))
+        for attack in args.direction_attacks.split(","):
+            runs.append((f"{attack} {int(worst * 100)}%, {tag}", "sparse", checked, attack, worst, f"{attack}_dir"))
     results = {}
     start_loss = setup.held_out_loss(setup.new_model()[0])
     print(f"held-out loss before training: {start_loss:.4f}; 'progress kept' is (start - loss) / (start - honest "
@@ -281,7 +299,7 @@ def plot(rows: list[tuple[str, float]], start: float, ref: float, path: str, nam
     labels = [label for label, _ in rows]
     losses = [loss for _, loss in rows]
     colors = ["#888" if "honest" in l or "baseline" in l else "#c44" if "robust" in l else "#e9a" for l in labels]
-    fig, ax = plt.subplots(figsize=(9, 0.3 * len(labels) + 1.6))
+    fig, ax = plt.subplots(figsize=(10.5, 0.3 * len(labels) + 1.8))
     ax.barh(range(len(labels)), losses, color=colors)
     ax.axvline(ref, color="k", lw=0.8, label=f"honest top-1% ({ref:.3f})")
     ax.axvline(ref * 1.05, color="k", lw=0.8, ls="--", label="honest top-1% + 5%")
@@ -291,7 +309,7 @@ def plot(rows: list[tuple[str, float]], start: float, ref: float, path: str, nam
     ax.set_xlim(min(losses) * 0.98, max(max(losses), ref * 1.05, start) * 1.01)
     ax.set_xlabel("held-out loss (nats)")
     ax.set_title(f"{name}: held-out loss, same samples per run", fontsize=10)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3)  # below: bars reach both ends
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot saved to {path}")

@@ -1,4 +1,5 @@
-"""The bridge's app factory: Training API v1, split inference and the static pages in front of one node.
+"""The bridge's app factory: Training API v1, split inference, the OpenAI-compatible /v1 API and the static pages
+in front of one node.
 
 The composition root (`dtrain.cli`) builds the node's pieces and hands them in; the bridge builds none.
 """
@@ -9,18 +10,19 @@ from typing import Optional
 
 from aiohttp import web
 
-from bridge import dgrd, http, metrics, openapi, split_routes, training_routes
+from bridge import dgrd, http, metrics, openai_routes, openapi, split_routes, training_routes
 from bridge.http import ApiError
 from bridge.gate import Gate, GateConfig
 from bridge.keys import CONFIG, DATASET, GATE, LEDGER, NODE, STATE, TOKENIZER, BridgeState
 from node.config import NodeConfig
 from node.data import TokenDataset
+from node.serve.service import ServeService
 from node.split.service import SplitService
 from node.trainer import TrainingNode
 
 
 def create_app(node: TrainingNode, config: NodeConfig, split: Optional[SplitService] = None, tokenizer=None,
-               dataset: Optional[TokenDataset] = None) -> web.Application:
+               dataset: Optional[TokenDataset] = None, serve: Optional[ServeService] = None) -> web.Application:
     tensor_elements = tuple(t.elements for t in node.tensors)
     max_packet = dgrd.max_packet_bytes(tensor_elements)
     app = web.Application(client_max_size=max_packet + 1024)
@@ -34,7 +36,9 @@ def create_app(node: TrainingNode, config: NodeConfig, split: Optional[SplitServ
     training_routes.add_routes(app)
     if split is not None:
         split_routes.add_routes(app, split)
-    metrics.setup(app, node, app.get(split_routes.SPLIT))
+    if serve is not None:
+        openai_routes.add_routes(app, serve)
+    metrics.setup(app, node, app.get(split_routes.SPLIT), app.get(openai_routes.SERVE))
     openapi.setup(app)
     _add_pages(app, Path(config.static_dir))
     return app

@@ -57,9 +57,10 @@ def read_node(node) -> NodeNumbers:
 class _LiveCollector:
     """Numbers read at scrape time: the node's, and the split service's open sessions and sockets."""
 
-    def __init__(self, node, split_state=None):
+    def __init__(self, node, split_state=None, serve_state=None):
         self._node = node
         self._split = split_state  # bridge.split_routes.SplitState, or None
+        self._serve = serve_state  # bridge.openai_routes.ServeState, or None
 
     def collect(self):
         n = read_node(self._node)
@@ -82,14 +83,24 @@ class _LiveCollector:
                                     value=self._split.service.engine.session_count())
             yield GaugeMetricFamily("dtrain_split_sockets", "Open split-inference WebSockets",
                                     value=len(self._split.sockets))
+        if self._serve is not None:
+            engine = self._serve.service.engine
+            running, waiting = engine.load()
+            yield GaugeMetricFamily("dtrain_serve_sequences", "Sequences in the /v1 engine's running batch",
+                                    value=running)
+            yield GaugeMetricFamily("dtrain_serve_waiting", "/v1 requests waiting for room in the batch", value=waiting)
+            yield CounterMetricFamily("dtrain_serve_requests", "/v1 requests the engine finished",
+                                      value=engine.completed_requests)
+            yield CounterMetricFamily("dtrain_serve_tokens", "Tokens the /v1 engine generated (end of text included)",
+                                      value=engine.generated_tokens)
 
 
 class BridgeMetrics:
     """One app's registry and the bridge's own counters and histograms."""
 
-    def __init__(self, node, split_state=None):
+    def __init__(self, node, split_state=None, serve_state=None):
         self.registry = r = CollectorRegistry()
-        r.register(_LiveCollector(node, split_state))
+        r.register(_LiveCollector(node, split_state, serve_state))
         self.requests = Counter("dtrain_http_requests", "HTTP answers by method, route template and status",
                                 ["method", "route", "status"], registry=r)
         self.packets_accepted = Counter("dtrain_packets_accepted", "DGRD packets accepted", registry=r)
@@ -159,9 +170,9 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
 
 
-def setup(app: web.Application, node, split_state=None) -> BridgeMetrics:
+def setup(app: web.Application, node, split_state=None, serve_state=None) -> BridgeMetrics:
     """Add /metrics and the counting middleware; call it after the other middlewares are installed."""
-    app[METRICS] = BridgeMetrics(node, split_state)
+    app[METRICS] = BridgeMetrics(node, split_state, serve_state)
     node.add_update_listener(app[METRICS].observe_update)
     if split_state is not None:
         split_state.forward_listeners.append(app[METRICS].observe_forward)

@@ -16,6 +16,7 @@ from hivemind.utils.logging import get_logger
 logger = get_logger(__name__)
 
 JSON, BYTES, TEXT, HTML = "application/json", "application/octet-stream", "text/plain", "text/html"
+SSE = "text/event-stream"
 OPENAPI_ROUTE = "/api/v1/openapi.json"
 _METHODS = ("get", "post", "put", "delete", "patch", "head", "options")
 
@@ -66,6 +67,53 @@ _LENGTH_ERRORS = {411: _error("no Content-Length (chunked bodies are refused)"),
                   413: _error("body larger than the limit")}
 
 
+def _openai_error(description: str) -> dict:
+    return _json(description, _ref("OpenAIError"))
+
+
+def _openai_paths() -> dict:
+    tag = "OpenAI-compatible API"
+    generation_errors = {
+        400: _openai_error("a field is missing, of the wrong type or out of the node's bounds (`param` names it), "
+                           "or the prompt does not fit the context (code context_length_exceeded)"),
+        404: _openai_error("no such model on this node (code model_not_found)"),
+        429: _openai_error("the running batch and the queue behind it are full (code queue_full); retry later"),
+        **_LENGTH_ERRORS,
+    }
+
+    def generation(summary: str, request: str, answer: str) -> dict:
+        return {"post": _op(summary, tag, {
+            200: {"description": "the completion; with stream: true, server-sent events (`data: {chunk}` per text "
+                                 "piece, then `data: [DONE]`), without a Content-Length",
+                  "content": {JSON: {"schema": _ref(answer)}, SSE: {"schema": {"type": "string"}}}},
+            **generation_errors,
+        }, body={"required": True, "content": {JSON: {"schema": _ref(request)}}})}
+
+    return {
+        "/v1/completions": generation("Complete a prompt with the shared model at its current step (or a LoRA "
+                                      "expert by name)", "CompletionRequest", "Completion"),
+        "/v1/chat/completions": generation("Answer a conversation (the chat template of README's OpenAI section)",
+                                           "ChatRequest", "ChatCompletion"),
+        "/v1/models": {"get": _op("The models this node serves: the shared model, then its LoRA experts", tag, {
+            200: _json("models", {"type": "object", "required": ["object", "data"], "properties": {
+                "object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}})})},
+        "/v1/models/{model}": {"get": _op("One served model", tag, {
+            200: _json("the model", _ref("Model")),
+            404: _openai_error("no such model on this node"),
+        }, parameters=({"name": "model", "in": "path", "required": True, "schema": {"type": "string"}},))},
+        "/v1/feedback": {"post": _op("Attach a reward in [-1, 1] to a completion this node served (and recorded)", tag, {
+            200: _json("rows updated", {"type": "object", "required": ["id", "reward", "updated"]}),
+            400: _openai_error("id, reward or index is missing or out of range"),
+            404: _openai_error("no such completion is recorded (code completion_not_found), or the node records "
+                               "nothing (code capture_off)"),
+            **_LENGTH_ERRORS,
+        }, body={"required": True, "content": {JSON: {"schema": {"type": "object", "required": ["id", "reward"],
+                                                                  "properties": {
+            "id": {"type": "string"}, "reward": {"type": "number", "minimum": -1, "maximum": 1},
+            "index": {"type": "integer", "minimum": 0, "description": "one choice; default: every choice"}}}}}})},
+    }
+
+
 def _paths() -> dict:
     train, split, pages, ops = "Training API v1", "Split inference", "Pages and files", "Operations"
     tensor_headers = ("X-Model-Step", "X-Tensor-Id", "X-Tensor-Offset", "X-Tensor-Count", "X-Tensor-Format")
@@ -90,8 +138,15 @@ def _paths() -> dict:
         "/api/v1/train/submit": {"post": _op(
             "Submit one DGRD gradient packet computed at a recent step", train, {
                 200: _json("accepted", _ref("SubmitOk")),
-                400: _error("malformed packet (the message names the field); carries server_step"),
+                400: _error("malformed packet (the message names the field), or samples above "
+                            "max_samples_per_packet (the message names the cap); carries server_step"),
+                401: _json("a closed node (--contributor-tokens) and no 'Authorization: Bearer <token>' naming one "
+                           "of its tokens; answered before the body is read, nothing applied",
+                           _ref("Error"), ("WWW-Authenticate",)),
                 409: _error("the packet's step is outside the late window; fetch the latest model (server_step)"),
+                429: _json("this node_id (or, with an address limit, this client address) is over its rate limit "
+                           "(--rate-limit, --rate-burst); nothing applied, retry after Retry-After seconds",
+                           _ref("Error"), ("Retry-After",)),
                 **_LENGTH_ERRORS,
             }, body={"required": True, "description": "a DGRD packet (docs/ and bridge/dgrd.py)",
                      "content": {BYTES: {"schema": {"type": "string", "format": "binary"}}}})},
@@ -153,6 +208,7 @@ def _paths() -> dict:
         "/": {"get": _op("Dashboard page", pages, {200: _bytes("HTML page", media=HTML)})},
         "/contribute": {"get": _op("Train in this browser (TensorFlow.js)", pages, {200: _bytes("HTML page", media=HTML)})},
         "/chat": {"get": _op("Split-inference chat", pages, {200: _bytes("HTML page", media=HTML)})},
+        **_openai_paths(),
     }
 
 
@@ -161,8 +217,11 @@ def _headers() -> dict:
         "X-Model-Step": "model step the bytes belong to", "X-Tensor-Id": "tensor id",
         "X-Tensor-Offset": "first element", "X-Tensor-Count": "elements in the body",
         "X-Tensor-Format": "f16 or f32", "X-Batch-Size": "sequences in the body", "X-Seq-Len": "tokens per sequence",
+        "Retry-After": "whole seconds until the contributor's rate limit lets a packet through",
+        "WWW-Authenticate": "Bearer realm=\"dtrain\"",
     }
-    return {name: {"description": text, "schema": {"type": "string" if name == "X-Tensor-Format" else "integer"}}
+    strings = ("X-Tensor-Format", "WWW-Authenticate")
+    return {name: {"description": text, "schema": {"type": "string" if name in strings else "integer"}}
             for name, text in described.items()}
 
 
@@ -200,6 +259,57 @@ def _schemas() -> dict:
             "compute_ms": number, "decrypt_ms": number, "total_ms": number, "dp_sigma": number,
             "incremental": {"type": "boolean"}, "cached_seq_len": integer, "session_id": {"type": ["string", "null"]},
             "step": integer}},
+        **_openai_schemas(),
+    }
+
+
+def _openai_schemas() -> dict:
+    integer, number, string, nullable = {"type": "integer"}, {"type": "number"}, {"type": "string"}, {"type": "null"}
+    sampling = {
+        "model": {**string, "description": "the shared model's name or a LoRA expert's (GET /v1/models)"},
+        "max_tokens": {**integer, "minimum": 1, "description": "at most --serve-max-tokens, and prompt + max_tokens "
+                                                               "within the context"},
+        "temperature": {**number, "minimum": 0, "maximum": 2, "default": 1, "description": "0: greedy"},
+        "top_p": {**number, "exclusiveMinimum": 0, "maximum": 1, "default": 1},
+        "n": {**integer, "minimum": 1, "description": "at most --serve-max-n", "default": 1},
+        "stop": {"oneOf": [string, {"type": "array", "maxItems": 4, "items": string}, nullable]},
+        "seed": integer, "stream": {"type": "boolean"},
+        "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    }
+    head = {"id": string, "created": integer, "model": string,
+            "system_fingerprint": {**string, "description": "dtrain-step-N: the model step that wrote it"},
+            "dtrain_step": {**integer, "description": "the model step that wrote it"},
+            "usage": {"type": "object", "properties": {"prompt_tokens": integer, "completion_tokens": integer,
+                                                       "total_tokens": integer}}}
+    reason = {"enum": ["stop", "length"]}
+    return {
+        "OpenAIError": {"type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+                "message": string, "type": string, "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]}}}}},
+        "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
+            **sampling, "prompt": {"oneOf": [string, {"type": "array", "items": integer}]},
+            "logprobs": {**integer, "minimum": 0, "maximum": 5}}},
+        "ChatRequest": {"type": "object", "required": ["model", "messages"], "properties": {
+            **sampling, "messages": {"type": "array", "items": {"type": "object", "required": ["role", "content"],
+                                                                "properties": {"role": {"enum": ["system", "developer", "user", "assistant"]},
+                                                                               "content": string}}},
+            "max_completion_tokens": integer, "logprobs": {"type": "boolean"},
+            "top_logprobs": {**integer, "minimum": 0, "maximum": 5}}},
+        "Completion": {"type": "object", "required": ["id", "object", "choices", "dtrain_step"], "properties": {
+            **head, "object": {"const": "text_completion"}, "choices": {"type": "array", "items": {
+                "type": "object", "properties": {"index": integer, "text": string, "finish_reason": reason,
+                                                 "logprobs": {"type": ["object", "null"]}}}}}},
+        "ChatCompletion": {"type": "object", "required": ["id", "object", "choices", "dtrain_step"], "properties": {
+            **head, "object": {"const": "chat.completion"}, "choices": {"type": "array", "items": {
+                "type": "object", "properties": {"index": integer, "finish_reason": reason,
+                                                 "message": {"type": "object", "properties": {
+                                                     "role": {"const": "assistant"}, "content": string}},
+                                                 "logprobs": {"type": ["object", "null"]}}}}}},
+        "Model": {"type": "object", "required": ["id", "object"], "properties": {
+            "id": string, "object": {"const": "model"}, "owned_by": string, "created": integer,
+            "dtrain_step": {**integer, "description": "the model step a request sent now is served at"},
+            "context_length": integer, "dtrain_expert": {"type": "boolean"}}},
     }
 
 
@@ -212,11 +322,13 @@ def document() -> dict:
             "version": "1",
             "description": (
                 "One node of a dtrain swarm: Training API v1 (../shared/spec/training-server-api-v1.md), split "
-                "inference (../shared/spec/split-inference-protocol.md), the swarm's status, metrics and pages. "
-                "Every answer has a Content-Length and CORS headers; every path answers an OPTIONS preflight with "
+                "inference (../shared/spec/split-inference-protocol.md), an OpenAI-compatible API (/v1), the swarm's "
+                "status, metrics and pages. Every answer but a /v1 event stream has a Content-Length; every answer "
+                "has CORS headers; every path answers an OPTIONS preflight with "
                 "204; an unknown path answers 404 and a known path with another method 405, as JSON errors."),
         },
-        "tags": [{"name": t} for t in ("Training API v1", "Split inference", "Operations", "Pages and files")],
+        "tags": [{"name": t} for t in ("Training API v1", "Split inference", "OpenAI-compatible API", "Operations",
+                                       "Pages and files")],
         "paths": _paths(),
         "components": {
             "schemas": _schemas(),

@@ -32,6 +32,7 @@ def _print_join_hint(maddrs: Sequence[str]) -> None:
 async def _serve(config: NodeConfig) -> None:
     from node.assets import ensure_tokenizer_files
     from node.corpus import load_corpus
+    from node.serve.service import for_node as serve_for_node
     from node.data import TokenDataset
     from node.split.service import for_node
     from node.tokenizer import load_tokenizer
@@ -50,12 +51,15 @@ async def _serve(config: NodeConfig) -> None:
     logger.info(f"Model {model_config.name}: {node.total_params:,} parameters; joining the swarm")
     node.start()  # on the main thread: hivemind's averagers install signal handlers
     split = for_node(node, config.split, tokenizer)
+    # /v1 serves the shared model, and the hosted LoRA experts when they fit it (not a --split-model's)
+    experts = split.experts if not config.split.split_model else None
+    serve = serve_for_node(node, config.serve, tokenizer, experts=experts)
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    app = create_app(node, config, split=split, tokenizer=tokenizer, dataset=served)
+    app = create_app(node, config, split=split, tokenizer=tokenizer, dataset=served, serve=serve)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
@@ -68,6 +72,7 @@ async def _serve(config: NodeConfig) -> None:
         watcher.cancel()
         logger.info("Shutting down")
         await runner.cleanup()
+        await loop.run_in_executor(None, serve.close)
         await loop.run_in_executor(None, node.stop)
         logger.info("Stopped")
 

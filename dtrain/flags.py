@@ -13,10 +13,12 @@ from typing import Any, Optional, Sequence
 
 from node.config import ConfigError, NodeConfig, SwarmConfig
 from node.options import flag_fields
+from node.serve.config import ServeConfig
 from node.split.config import SplitConfig, parse_expert_flag
 
 # (argument group, dataclass, NodeConfig field holding it or None for NodeConfig itself)
-SECTIONS = (("swarm", SwarmConfig, "swarm"), ("node", NodeConfig, None), ("split inference", SplitConfig, "split"))
+SECTIONS = (("swarm", SwarmConfig, "swarm"), ("node", NodeConfig, None), ("split inference", SplitConfig, "split"),
+            ("serving (OpenAI-compatible API, capture, feedback)", ServeConfig, "serve"))
 
 
 def dest(f: dataclasses.Field) -> str:
@@ -87,7 +89,8 @@ def parse_config(argv: Optional[Sequence[str]] = None) -> NodeConfig:
     try:
         swarm = SwarmConfig(**sections["swarm"][1])
         split = SplitConfig(**sections["split"][1])
-        return NodeConfig(swarm=swarm, split=split, **sections[None][1])
+        serve = ServeConfig(**sections["serve"][1])
+        return NodeConfig(swarm=swarm, split=split, serve=serve, **sections[None][1])
     except (TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise
@@ -117,7 +120,7 @@ def markdown_table() -> str:
             if f.name == "static_dir":
                 default = "static/"
             shown = "none" if default in (None, ()) else f"`{_show(default)}`"
-            if f.metadata["argparse"].get("action") == "store_false":
+            if f.metadata["argparse"].get("action") in ("store_false", "store_true"):
                 shown = ""
             flag = f.metadata["flag"]
             if f.metadata["argparse"].get("metavar"):

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from node.options import option
+from node.serve.config import ServeConfig
 from node.split.config import SplitConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -154,7 +155,11 @@ class NodeConfig:
                               "centered_clip, trimmed_mean or mean (weight and norm bounds only)")
     norm_bound: Optional[float] = option(None, "--norm-bound", "fixed L2 bound of one contribution's gradient "
                                                                "(default: 4x the running median norm)")
+    min_cosine: Optional[float] = option(None, "--min-cosine", "direction check: a contribution whose cosine with the "
+                                         "node's Adam momentum is below this counts with weight 0, e.g. -0.05 "
+                                         "(default: off; it stops sign-flipped gradients but may drop an honest one)")
     split: SplitConfig = field(default_factory=SplitConfig)  # split-inference options
+    serve: ServeConfig = field(default_factory=ServeConfig)  # the OpenAI-compatible API, capture and feedback
 
     def model_config_path(self) -> Path:
         return Path(self.model_config) if self.model_config else Path(self.static_dir) / "model_config.json"

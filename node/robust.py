@@ -10,7 +10,12 @@ the mean the swarm averages. Three defences, each a no-op for honest contributio
 2. Bounded magnitude: each gradient is scaled down to the L2 norm bound, `clip_multiple` x the running
    median of recent norms (`NormTracker`), or a fixed `norm_bound`; never above `clip_multiple` x this
    hand-over's own median norm when it has at least `MIN_FOR_MEDIAN` contributions.
-3. Robust centre: CenteredClip (Karimireddy et al. 2021, as used by BTARD-SGD, Gorbunov et al. 2022):
+3. Direction check (opt-in, `min_cosine`): a gradient whose cosine with a reference direction (the node passes
+   its Adam first moment, exp_avg: the swarm's recent direction) is below `min_cosine` counts with weight 0.
+   No statistic of one hand-over tells a sign-flipped top-1% packet apart (its norm and its distance from the
+   others are honest ones); its direction against history does (docs/robustness.md). Off by default: an honest
+   gradient may point against the momentum (an overshoot, a new kind of batch), and NOTES.md wants its exact mean.
+4. Robust centre: CenteredClip (Karimireddy et al. 2021, as used by BTARD-SGD, Gorbunov et al. 2022):
    `v <- v + sum_i w_i c_i (g_i - v) / sum_i w_i` with `c_i = min(1, tau / |g_i - v|)`. When no `c_i` is
    below 1 the fixed point is exactly the weighted mean, and that is what is returned. `trimmed_mean`
    (coordinate-wise, over contributions) is the alternative; it changes honest results too.
@@ -19,7 +24,8 @@ Sparse packets stay sparse: every tensor is worked on over the union of the coor
 touch (absent coordinates are zeros, as they are in the sum), as an `(n, union)` float32 matrix.
 
 What this bounds and what not: one packet's weight and norm, and the pull of a minority of contributions in
-one hand-over towards any point (CenteredClip moves the result by at most about `fraction x tau`). It
+one hand-over towards any point (CenteredClip moves the result by at most about `fraction x tau`); with the
+direction check, any component against the reference beyond `|min_cosine|` of a packet's norm. It
 does not bound a majority (one party behind many `node_id`s: Sybils), an attacker that stays inside the
 honest spread ("a little is enough" moves the result by up to that spread), or a malicious hivemind *peer*
 inside the all-reduce, which never passes through this code.
@@ -84,6 +90,10 @@ class RobustConfig:
     # A contribution's weight is at most this many samples whatever the medians say; None: no fixed cap.
     # The node passes its max_samples_per_packet, so it holds even for packets that bypassed the gate.
     max_samples: Optional[int] = None
+    # A contribution whose cosine with the reference direction (the node's Adam exp_avg) is below this counts with
+    # weight 0 (unitless, -1 .. <1); None: no direction check. Honest top-1% packets of the bench sit at +0.15 or more
+    # against the momentum (docs/robustness.md), sign-flipped ones at minus that. Off by default (module docstring).
+    min_cosine: Optional[float] = None
     # Reported train_loss is clamped to [0, max_loss] (nats): cross-entropy is never negative, and one
     # packet must not move the loss history anywhere.
     max_loss: float = 100.0
@@ -106,6 +116,8 @@ class RobustConfig:
             raise RobustConfigError(f"trim_fraction must be in [0, 0.5), got {self.trim_fraction}")
         if not self.max_loss > 0:
             raise RobustConfigError(f"max_loss must be > 0, got {self.max_loss}")
+        if self.min_cosine is not None and not -1.0 <= self.min_cosine < 1.0:
+            raise RobustConfigError(f"min_cosine must be in [-1, 1) or None, got {self.min_cosine!r}")
         if self.max_samples is not None and self.max_samples < 1:
             raise RobustConfigError(f"max_samples must be >= 1 or None, got {self.max_samples!r}")
 
@@ -126,6 +138,7 @@ class ContributorReport:
     norm: float  # L2 norm of its gradient as sent (float64)
     clip_factor: float  # scale of the norm bound, 1.0: not clipped
     center_factor: float  # CenteredClip's c_i in the last iteration (1.0: pulled in fully); 1.0 for other methods
+    cosine: Optional[float]  # with the reference direction (weight 0 below min_cosine); None: not checked
     outlier: bool  # any of the above changed its share, or its loss was clamped
 
 
@@ -261,14 +274,31 @@ def _trimmed_mean(x: np.ndarray, w: np.ndarray, fraction: float) -> np.ndarray:
     return (kw * kept).sum(axis=0) / kw.sum(axis=0)
 
 
+def _cosines(mats, norms: np.ndarray, reference: Sequence[np.ndarray]) -> np.ndarray:
+    """Cosine of every row with `reference` (flat per tensor; zero outside the union, as the rows are); nan when
+    either is zero."""
+    ref_norm = np.sqrt(sum(float(np.dot(r.astype(np.float64), r)) for r in reference))
+    dots = np.zeros(norms.size, np.float64)
+    for tid, coords, x in mats:
+        r = reference[tid] if coords is None else reference[tid][coords]
+        dots += x.astype(np.float64) @ r.astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where((norms > 0) & (ref_norm > 0), dots / (norms * ref_norm), np.nan)
+
+
+def _keep_rows(mats, keep: np.ndarray):
+    return [(tid, coords, x[keep]) for tid, coords, x in mats]
+
+
 def aggregate(contributions: Sequence[Contribution], tensor_elements: Sequence[int],
               config: RobustConfig = RobustConfig(), norm_bound: Optional[float] = None,
-              samples_bound: Optional[int] = None) -> Aggregate:
+              samples_bound: Optional[int] = None, reference: Optional[Sequence[np.ndarray]] = None) -> Aggregate:
     """Combine one hand-over's contributions. Pure: same inputs (in any order), same output.
 
     `norm_bound` and `samples_bound` come from the history (`NormTracker.bound()`, `.samples_bound()`),
     None for none; a hand-over of at least `MIN_FOR_MEDIAN` contributions is also bounded by its own
-    medians (`clip_multiple` x its median norm, `max_weight_multiple` x its median samples).
+    medians (`clip_multiple` x its median norm, `max_weight_multiple` x its median samples). `reference` (flat
+    float32 per tensor) is the direction `min_cosine` checks against; None, or all zeros, checks nothing.
     """
     sums = [np.zeros(int(e), np.float32) for e in tensor_elements]
     if not contributions:
@@ -294,29 +324,38 @@ def aggregate(contributions: Sequence[Contribution], tensor_elements: Sequence[i
             for _, _, x in mats:
                 x *= clip.astype(np.float32)[:, None]
 
+    cosine = np.full(n, np.nan)
+    if config.min_cosine is not None and reference is not None and mats:
+        cosine = _cosines(mats, norms, reference)
+        w = np.where(cosine < config.min_cosine, 0, w)  # nan (nothing to compare) never drops
+    keep = w > 0
     center_factor = np.ones(n)
     total = int(w.sum())
-    w32 = w.astype(np.float32)
-    if config.method == "mean" or n == 1:
-        results = [np.dot(w32, x) for _, _, x in mats]  # already sum(w_i g_i)
-    elif config.method == "centered_clip":
-        center, center_factor, exact = _centered_clip(mats, w, config)
-        if exact:
-            results = [np.dot(w32, x) for _, _, x in mats]
+    if keep.any():
+        kept, wk = (mats, w) if keep.all() else (_keep_rows(mats, keep), w[keep])
+        w32 = wk.astype(np.float32)
+        if config.method == "mean" or wk.size == 1:
+            results = [np.dot(w32, x) for _, _, x in kept]  # already sum(w_i g_i)
+        elif config.method == "centered_clip":
+            center, factors, exact = _centered_clip(kept, wk, config)
+            center_factor[keep] = factors
+            if exact:
+                results = [np.dot(w32, x) for _, _, x in kept]
+            else:
+                results = [np.float32(total) * v for v in center]
         else:
-            results = [np.float32(total) * v for v in center]
-    else:
-        results = [np.float32(total) * _trimmed_mean(x, w, config.trim_fraction) for _, _, x in mats]
-    for (tid, coords, _), r in zip(mats, results):
-        if coords is None:
-            sums[tid][:] = r
-        else:
-            sums[tid][coords] = r
+            results = [np.float32(total) * _trimmed_mean(x, wk, config.trim_fraction) for _, _, x in kept]
+        for (tid, coords, _), r in zip(kept, results):
+            if coords is None:
+                sums[tid][:] = r
+            else:
+                sums[tid][coords] = r
 
     reports = tuple(
         ContributorReport(contributor=c.contributor, samples=int(claimed[i]), weight=int(w[i]),
                           norm=float(norms[i]), clip_factor=float(clip[i]),
                           center_factor=float(center_factor[i]),
+                          cosine=None if np.isnan(cosine[i]) else float(cosine[i]),
                           outlier=bool(w[i] < claimed[i] or clip[i] < 1 or center_factor[i] < 1
                                        or clamped[i] != losses[i]))
         for i, c in enumerate(contribs))
@@ -372,7 +411,7 @@ class NormTracker:
         norms = [r.norm if bound is None else min(r.norm, bound) for r in result.reports]
         with self._lock:
             self._norms.extend(n for n in norms if np.isfinite(n) and n > 0)
-            self._samples.extend(r.weight for r in result.reports)  # already capped: same argument as norms
+            self._samples.extend(r.weight for r in result.reports if r.weight > 0)  # capped: same argument as norms
 
 
 class RobustAggregator:
@@ -383,14 +422,16 @@ class RobustAggregator:
         self.tensor_elements = tuple(int(e) for e in tensor_elements)
         self.tracker = NormTracker(config)
 
-    def aggregate(self, contributions: Sequence[Contribution]) -> Aggregate:
+    def aggregate(self, contributions: Sequence[Contribution],
+                  reference: Optional[Sequence[np.ndarray]] = None) -> Aggregate:
+        """`reference`: the direction the direction check compares with (the node's Adam exp_avg), if it is on."""
         result = aggregate(contributions, self.tensor_elements, self.config, self.tracker.bound(),
-                           self.tracker.samples_bound())
+                           self.tracker.samples_bound(), reference)
         self.tracker.observe(result)
         for r in result.outliers:
             logger.warning(f"contributor {r.contributor!r}: outlier ({self.config.method}): norm {r.norm:.4g}"
                            f" (bound {result.norm_bound if result.norm_bound is None else f'{result.norm_bound:.4g}'}),"
-                           f" clip x{r.clip_factor:.3g}, centre x{r.center_factor:.3g},"
+                           f" clip x{r.clip_factor:.3g}, centre x{r.center_factor:.3g}, cosine {r.cosine},"
                            f" weight {r.weight} of {r.samples} samples")
         return result
 

@@ -79,7 +79,7 @@ class TrainingNode:
         self.pool = ContributionPool(train_config.min_nodes_for_update, lambda: self.step)
         self.gradient = PendingGradient([t.elements for t in self.tensors])
         robust = RobustConfig(method=config.aggregation, norm_bound=config.norm_bound,
-                              max_samples=config.max_samples_per_packet)
+                              max_samples=config.max_samples_per_packet, min_cosine=config.min_cosine)
         self.aggregator = RobustAggregator(robust, [t.elements for t in self.tensors])
         self.ledger = ledger if ledger is not None else ContributorLedger()
         self.swarm: Optional[Swarm] = None
@@ -298,7 +298,7 @@ class TrainingNode:
     def _add(self, contributions) -> None:
         """One hand-over, robustly aggregated (CenteredClip by default: the exact weighted mean unless someone is
         far out), into the pending gradient; refused whole if it would still not be finite."""
-        result = self.aggregator.aggregate(contributions)
+        result = self.aggregator.aggregate(contributions, self._momentum())
         self.ledger.record_aggregate(result)
         if not all_finite(result.sums):
             ids = sorted({c.contributor for c in contributions})
@@ -306,6 +306,19 @@ class TrainingNode:
             self.ledger.refused_update(ids)
             return
         self.gradient.add(result.sums, result.samples, result.loss_sum, packets=len(contributions))
+
+    def _momentum(self) -> Optional[list[np.ndarray]]:
+        """The Adam first moment (exp_avg) per tensor, flat: the reference of the direction check (None when it is
+        off). Views, not copies: the training thread, which alone steps the optimizer, is the one reading them."""
+        if self.aggregator.config.min_cosine is None:
+            return None
+        opt = self.swarm.optimizer.state_averager.optimizer
+        params = [p for group in opt.param_groups for p in group["params"]]
+        moments = [opt.state.get(p, {}).get("exp_avg") for p in params]
+        if len(moments) != len(self.tensors) or any(m is None or m.numel() != t.elements
+                                                    for m, t in zip(moments, self.tensors)):
+            return None
+        return [m.detach().reshape(-1).numpy() for m in moments]
 
     def _wants_local_batch(self) -> bool:
         limit = self.config.local_samples_per_update

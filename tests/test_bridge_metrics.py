@@ -23,13 +23,15 @@ FAMILIES = {
     "dtrain_split_sockets": "gauge", "dtrain_http_requests": "counter", "dtrain_packets_accepted": "counter",
     "dtrain_packets_rejected": "counter", "dtrain_ingest_bytes": "counter", "dtrain_download_bytes": "counter",
     "dtrain_split_forward_seconds": "histogram", "dtrain_update_duration_seconds": "histogram",
+    "dtrain_serve_sequences": "gauge", "dtrain_serve_waiting": "gauge", "dtrain_serve_requests": "counter",
+    "dtrain_serve_tokens": "counter",
 }
 D_MODEL = json.loads(TINY_CONFIG.read_text())["d_model"]
 
 
 @pytest.fixture(scope="module")
 def node():
-    proc = _start("metrics", ["--model-config", str(TINY_CONFIG), "--target-batch-size", "1"])
+    proc = _start("metrics", ["--model-config", str(TINY_CONFIG), "--target-batch-size", "1", "--no-capture"])
     try:
         yield proc
     finally:
@@ -106,6 +108,22 @@ def test_counters_count_exactly_what_was_asked(node):
     assert grew("dtrain_http_requests_total", method="POST", route=SUBMIT, status="409") == 1
     assert grew("dtrain_http_requests_total", method="GET", route="(unmatched)", status="404") == 1
     assert grew("dtrain_http_requests_total", method="GET", route="(unmatched)", status="405") == 1
+
+
+def test_serve_counts_requests_and_tokens(node):
+    _, before = scrape(node)
+    body = json.dumps({"model": json.loads(TINY_CONFIG.read_text())["name"], "prompt": "Hi", "max_tokens": 5,
+                       "n": 2, "temperature": 0}).encode()
+    a = request(node, "POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    assert a.status == 200
+    usage, choices = a.json()["usage"], a.json()["choices"]
+    _, after = scrape(node)
+    assert value(after, "dtrain_serve_requests_total") - value(before, "dtrain_serve_requests_total") == 1
+    # every token sampled: the completion's, and an end-of-text for each choice that stopped (no stop sequences)
+    ended = sum(c["finish_reason"] == "stop" for c in choices)
+    assert value(after, "dtrain_serve_tokens_total") - value(before, "dtrain_serve_tokens_total") == \
+        usage["completion_tokens"] + ended
+    assert value(after, "dtrain_serve_sequences") == value(after, "dtrain_serve_waiting") == 0
 
 
 def test_node_numbers_equal_swarm_status(node):

@@ -80,3 +80,15 @@ def test_every_flag_reaches_its_field():
     assert config.swarm.settle_s == 4.0 and config.swarm.matchmaking_time_s == 6.0
     assert config.split.he is False and config.split.experts == (("x", "/tmp/x"),)
     assert config.local_samples_per_update == 3 and config.split.dp_epsilon == 2.0
+
+
+def test_serving_flags_reach_their_fields_and_are_checked():
+    config = parse_config(["--serve-max-tokens", "64", "--serve-queue", "0", "--capture-db", "/tmp/x.sqlite",
+                           "--feedback-train", "--feedback-interval", "2.5"])
+    assert (config.serve.max_tokens, config.serve.queue_size, config.serve.capture_db) == (64, 0, "/tmp/x.sqlite")
+    assert config.serve.capture and config.serve.feedback_train and config.serve.feedback_interval_s == 2.5
+    assert not parse_config(["--no-capture"]).serve.capture
+    with pytest.raises(ConfigError, match="--no-capture"):
+        parse_config(["--feedback-train", "--no-capture"])
+    with pytest.raises(ConfigError, match="max_n"):
+        parse_config(["--serve-max-batch", "2", "--serve-max-n", "3"])

@@ -1,8 +1,8 @@
 """The OpenAPI document against real nodes: every registered route is described, and every documented status of
 every operation is answered by a real node to a real request of this module (and no other status is).
 
-How the statuses are checked: two real nodes (`node`: started as `make node` starts it; `other`: --no-data and a
---split-model directory, for the answers only such a node gives) get one request per documented (operation,
+How the statuses are checked: two real nodes (`node`: started as `make node` starts it; `other`: --no-data, a
+--split-model directory, contributor tokens and a one-packet rate limit, for the answers only such a node gives) get one request per documented (operation,
 status) from the table below. Each answer is checked against its documented status and media type; then both
 nodes' /metrics are read, and the set of (method, route template, status) their middleware counted in
 dtrain_http_requests_total must equal the document's. This module needs no other test module, so it holds when
@@ -14,6 +14,7 @@ import asyncio
 import base64
 import http.client
 import json
+import threading
 
 import aiohttp
 import numpy as np
@@ -28,21 +29,31 @@ from tests.test_bridge_metrics import scrape
 pytestmark = pytest.mark.timeout(300)
 
 TINY = json.loads(TINY_CONFIG.read_text())
+TOKEN = "openapi-token"
+BEARER = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    split_dir = tmp_path_factory.mktemp("openapi") / "untied-gpt2"
+    tmp = tmp_path_factory.mktemp("openapi")
+    split_dir = tmp / "untied-gpt2"
+    (tmp / "tokens").write_text(TOKEN + "\n")
     # an LM head apart from the embedding: /api/v1/split/lm_head then answers 200 (a tied head's answer is 404)
     GPT2LMHeadModel(GPT2Config(vocab_size=TINY["vocab_size"], n_positions=TINY["max_seq_len"], n_embd=TINY["d_model"],
                                n_layer=1, n_head=TINY["n_heads"], tie_word_embeddings=False)).save_pretrained(split_dir)
+    capture = tmp_path_factory.mktemp("openapi-capture") / "capture.sqlite"
     started = {}
     try:
-        started["node"] = _start("openapi", ["--model-config", str(TINY_CONFIG), "--target-batch-size", "1"])
+        started["node"] = _start("openapi", ["--model-config", str(TINY_CONFIG), "--target-batch-size", "1",
+                                             "--capture-db", str(capture)])
+        # records nothing, and decodes one sequence with nobody waiting: the /v1 answers 429 and feedback's 404
         started["other"] = _start("openapi-other", ["--model-config", str(TINY_CONFIG), "--no-data",
-                                                    "--split-model", str(split_dir)])
+                                                    "--split-model", str(split_dir), "--no-capture",
+                                                    "--serve-max-batch", "1", "--serve-max-n", "1",
+                                                    "--serve-queue", "0", "--contributor-tokens",
+                                                    str(tmp / "tokens"), "--rate-limit", "0.001", "--rate-burst", "1"])
         yield started
     finally:
         for proc in started.values():
@@ -74,9 +85,15 @@ def _forward(session_id: str = "openapi") -> bytes:
                        "seq_len": 2, "hidden_dim": TINY["d_model"], "session_id": session_id}).encode()
 
 
-def _requests(step: int) -> list[tuple[str, str, str, dict, int]]:
+def _v1(body: dict, **options) -> dict:
+    return {"body": json.dumps(body).encode(), "headers": {"Content-Type": "application/json"}, **options}
+
+
+def _requests(step: int, other_step: int) -> list[tuple[str, str, str, dict, int]]:
     """(node, method, path, options for _send, expected status): one row per documented status."""
     json_h = {"Content-Type": "application/json"}
+    model = TINY["name"]
+    chat = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     return [
         ("node", "GET", "/healthz", {}, 200),
         ("node", "GET", "/api/v1/model/info", {}, 200),
@@ -90,6 +107,12 @@ def _requests(step: int) -> list[tuple[str, str, str, dict, int]]:
         ("node", "POST", "/api/v1/train/submit", {"body": b"junk"}, 400),
         ("node", "POST", "/api/v1/train/submit", {"body": small_packet(step), "chunked": True}, 411),
         ("node", "POST", "/api/v1/train/submit", {"claim": 10**12}, 413),
+        ("other", "POST", "/api/v1/train/submit", {"body": small_packet(other_step)}, 401),  # closed: no token
+        ("other", "POST", "/api/v1/train/submit", {"body": small_packet(other_step), "headers": {
+            "Authorization": "Bearer not-a-token"}}, 401),
+        # burst 1: the first packet of a node_id passes, the next one right after it is over the limit
+        ("other", "POST", "/api/v1/train/submit", {"body": small_packet(other_step, "eager"), "headers": BEARER}, 200),
+        ("other", "POST", "/api/v1/train/submit", {"body": small_packet(other_step, "eager"), "headers": BEARER}, 429),
         ("node", "GET", "/api/v1/server/losses", {}, 200),
         ("node", "GET", "/api/v1/data/batch?batch_size=2&seq_len=8", {}, 200),
         ("node", "GET", "/api/v1/data/batch?batch_size=0", {}, 400),
@@ -121,12 +144,36 @@ def _requests(step: int) -> list[tuple[str, str, str, dict, int]]:
         ("node", "GET", "/", {}, 200),
         ("node", "GET", "/contribute", {}, 200),
         ("node", "GET", "/chat", {}, 200),
+        ("node", "POST", "/v1/completions", _v1({"model": model, "prompt": "To be", "max_tokens": 2}), 200),
+        ("node", "POST", "/v1/completions", _v1({"model": model, "prompt": "To be", "stream": True}), 200),
+        ("node", "POST", "/v1/completions", _v1({"model": model, "prompt": "x", "temperature": 9}), 400),
+        ("node", "POST", "/v1/completions", _v1({"model": "gpt-4o", "prompt": "x"}), 404),
+        ("node", "POST", "/v1/completions", _v1({"model": model}, chunked=True), 411),
+        ("node", "POST", "/v1/completions", {"claim": 10**12}, 413),
+        ("node", "POST", "/v1/chat/completions", _v1(chat), 200),
+        ("node", "POST", "/v1/chat/completions", _v1({**chat, "stream": True}), 200),
+        ("node", "POST", "/v1/chat/completions", _v1({**chat, "messages": []}), 400),
+        ("node", "POST", "/v1/chat/completions", _v1({**chat, "model": "gpt-4o"}), 404),
+        ("node", "POST", "/v1/chat/completions", _v1(chat, chunked=True), 411),
+        ("node", "POST", "/v1/chat/completions", {"claim": 10**12}, 413),
+        ("node", "GET", "/v1/models", {}, 200),
+        ("node", "GET", f"/v1/models/{model}", {}, 200),
+        ("node", "GET", "/v1/models/gpt-4o", {}, 404),
+        ("node", "POST", "/v1/feedback", _v1({"id": "cmpl-unknown", "reward": 2}), 400),
+        ("node", "POST", "/v1/feedback", _v1({"id": "cmpl-unknown", "reward": 1}), 404),
+        ("other", "POST", "/v1/feedback", _v1({"id": "cmpl-any", "reward": 1}), 404),  # --no-capture
+        ("node", "POST", "/v1/feedback", _v1({"id": "x", "reward": 1}, chunked=True), 411),
+        ("node", "POST", "/v1/feedback", {"claim": 10**12}, 413),
     ]
 
 
 def _documented_media(doc: dict, method: str, template: str, status: int) -> set[str]:
     response = doc["paths"][template][method.lower()]["responses"][str(status)]
     return set(response.get("content", {}))
+
+
+def _documented_headers(doc: dict, method: str, template: str, status: int) -> set[str]:
+    return set(doc["paths"][template][method.lower()]["responses"][str(status)].get("headers", {}))
 
 
 def _template(path: str, doc: dict) -> str:
@@ -141,6 +188,28 @@ def _template(path: str, doc: dict) -> str:
     raise AssertionError(f"{path} matches no documented path")
 
 
+def _feedback_ok(node) -> None:
+    """The 200 of /v1/feedback: a reward for a completion this node just served."""
+    a = _send(node, "POST", "/v1/completions", **_v1({"model": TINY["name"], "prompt": "Hi", "max_tokens": 1}))
+    a = _send(node, "POST", "/v1/feedback", **_v1({"id": json.loads(a.body)["id"], "reward": 0.5}))
+    assert a.status == 200 and json.loads(a.body)["updated"] == 1
+
+
+def _queue_full(node, path: str, body: dict) -> None:
+    """The 429 of a /v1 route: requests sent at once to a node that decodes one and queues none."""
+    barrier, statuses = threading.Barrier(6), []
+
+    def one():
+        barrier.wait()
+        statuses.append(_send(node, "POST", path, **_v1(body)).status)
+    threads = [threading.Thread(target=one) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert 429 in statuses and set(statuses) <= {200, 429}, statuses
+
+
 def _upgrade(node) -> None:
     async def run():
         async with aiohttp.ClientSession() as session:
@@ -153,15 +222,22 @@ def _upgrade(node) -> None:
 def test_every_documented_status_is_answered_and_no_other(nodes):
     doc = nodes["node"].get_json("/api/v1/openapi.json")
     assert doc == openapi.document()
-    for who, method, path, options, status in _requests(current_step(nodes["node"])):
+    for who, method, path, options, status in _requests(current_step(nodes["node"]), current_step(nodes["other"])):
         a = _send(nodes[who], method, path, **options)
         assert a.status == status, (who, method, path, a.status, a.body[:300])
+        missing = {h for h in _documented_headers(doc, method, _template(path, doc), status) if h not in a.headers}
+        assert not missing, (method, path, status, "documented headers not sent", missing)
         media = _documented_media(doc, method, _template(path, doc), status)
         if media and "*/*" not in media:
             assert a.headers["Content-Type"].split(";")[0] in media, (path, a.headers["Content-Type"], media)
-        if openapi.JSON in media:
+        if a.headers["Content-Type"].startswith(openapi.JSON):
             json.loads(a.body)
     _upgrade(nodes["node"])  # the stream's 101
+    _feedback_ok(nodes["node"])
+    model = TINY["name"]
+    _queue_full(nodes["other"], "/v1/completions", {"model": model, "prompt": "Hi", "max_tokens": 40, "temperature": 0})
+    _queue_full(nodes["other"], "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "Hi"}],
+                                                          "max_tokens": 40, "temperature": 0})
     expected = {(m, path, int(s)) for m, path in openapi.operations(doc)
                 for s in doc["paths"][path][m.lower()]["responses"] if s != "default"}
 

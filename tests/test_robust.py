@@ -233,6 +233,57 @@ def test_overflowing_values_are_clipped_not_infinite():
 
 
 # ---------------------------------------------------------------------------------------------
+# the direction check (opt-in): sign flips against the momentum
+
+
+DIRECTION = RobustConfig(min_cosine=-0.05)
+
+
+@pytest.mark.parametrize("n_bad", [2, 4])
+def test_direction_check_drops_sign_flips_and_is_exactly_the_honest_mean(n_bad):
+    """The reference is the true direction (what the momentum of honest updates estimates): every flipped packet
+    points against it, counts with weight 0, and the rest is the honest samples-weighted mean, to float32."""
+    contribs, mean, _, _ = attack_hand_over(11, "sign_flip", n_bad)
+    true, _ = honest_gradients(np.random.default_rng(11), 1)  # the same true direction attack_hand_over drew
+    reference = [t.astype(np.float32) for t in true]
+    agg = robust.aggregate(contribs, ELEMENTS, DIRECTION, reference=reference)
+    honest = [c for c in contribs if c.contributor.startswith("h")]
+    assert agg.samples == sum(c.samples for c in honest)
+    for got, want in zip(agg.sums, weighted_sum(honest)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    for r in agg.reports:
+        if r.contributor.startswith("a"):
+            assert r.outlier and r.weight == 0 and r.cosine < DIRECTION.min_cosine
+        else:
+            assert not r.outlier and r.weight == r.samples and r.cosine > 0
+    plain = robust.aggregate(contribs, ELEMENTS, RobustConfig(), reference=reference)  # off: nothing checked
+    assert all(r.cosine is None and r.weight == r.samples for r in plain.reports)
+
+
+@settings(max_examples=30, deadline=None)
+@given(SEEDS, st.integers(1, 9))
+def test_direction_check_leaves_aligned_honest_hand_overs_exact(seed, n):
+    contribs = honest_hand_over(seed, n)
+    reference = [g.astype(np.float32) for g in weighted_sum(contribs)]  # the momentum of these same gradients
+    agg = robust.aggregate(contribs, ELEMENTS, DIRECTION, reference=reference)
+    for got, want in zip(agg.sums, weighted_sum(contribs)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert not agg.outliers and agg.samples == sum(c.samples for c in contribs)
+    zero = robust.aggregate(contribs, ELEMENTS, DIRECTION, reference=[np.zeros(e, np.float32) for e in ELEMENTS])
+    assert all(r.cosine is None for r in zero.reports) and not zero.outliers  # no momentum yet: nothing to check
+
+
+def test_a_hand_over_whose_only_packet_is_dropped_adds_nothing():
+    rng = np.random.default_rng(5)
+    g = [rng.normal(size=e) for e in ELEMENTS]
+    agg = robust.aggregate([to_contribution("a", [-x for x in g], samples=7)], ELEMENTS, DIRECTION,
+                           reference=[x.astype(np.float32) for x in g])
+    assert agg.samples == 0 and agg.loss_sum == 0 and all(not s.any() for s in agg.sums)
+    (r,) = agg.reports
+    assert r.outlier and r.weight == 0 and r.cosine == pytest.approx(-1.0)
+
+
+# ---------------------------------------------------------------------------------------------
 # the norm history
 
 
@@ -266,6 +317,8 @@ def test_config_errors_name_the_option():
         RobustConfig(trim_fraction=0.5)
     with pytest.raises(RobustConfigError, match="min_norms"):
         RobustConfig(norm_window=4, min_norms=5)
+    with pytest.raises(RobustConfigError, match="min_cosine"):
+        RobustConfig(min_cosine=1.0)
 
 
 def test_all_finite_on_parameters_and_adam_moments():
