@@ -97,6 +97,9 @@ def test_a_peer_behind_the_swarm_does_not_update_until_it_caught_up(single_peer)
     peer_b = swarm.Swarm(config, swarm.make_local_optimizer(model_b, TRAIN), local_gradients=lambda: grads_b)
     try:
         opt_b = peer_b.optimizer
+        # as a node does when it joins: with no look at the swarm yet, hivemind's first step() would check for an
+        # exact epoch match later and download the state instead
+        assert peer_b.wait_for_progress(timeout_s=10)
         grads_a[:] = grads_b[:] = _gradient(model_a)
         for model, grads in ((model_a, grads_a), (model_b, grads_b)):
             with torch.no_grad():
