@@ -239,24 +239,15 @@ def test_not_json_and_unknown_model(client, served):
 
 
 def test_past_the_batch_and_queue_the_node_answers_429(client, served):
-    # here the batch holds 2 sequences and nothing may wait: of several requests of n=2 sent at once, those that
-    # come while another runs are refused, the rest served; none fails otherwise
-    barrier, results = threading.Barrier(6), []
-
-    def one():
-        barrier.wait()
-        try:
-            client.completions.create(model=MODEL, prompt="Hello", max_tokens=30, n=2, temperature=0)
-            results.append(200)
-        except openai.RateLimitError as e:
-            assert e.body["code"] == "queue_full" and e.body["type"] == "rate_limit_error"
-            results.append(429)
-    threads = [threading.Thread(target=one) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert len(results) == 6 and 200 in results and 429 in results
+    # here the batch holds 2 sequences and nothing may wait: while a stream of n=2 decodes, a request is refused
+    stream = client.completions.create(model=MODEL, prompt="Hello", max_tokens=40, n=2, temperature=0, stream=True)
+    chunks = iter(stream)
+    next(chunks)  # decoding: both rows of the batch are taken
+    with pytest.raises(openai.RateLimitError) as e:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    assert e.value.body["code"] == "queue_full" and e.value.body["type"] == "rate_limit_error"
+    assert list(chunks)  # the stream goes on to its end
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0).choices  # room again
 
 
 def test_feedback_sets_the_reward_of_the_recorded_rows(client, served):

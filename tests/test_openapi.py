@@ -14,7 +14,6 @@ import asyncio
 import base64
 import http.client
 import json
-import threading
 
 import aiohttp
 import numpy as np
@@ -196,18 +195,20 @@ def _feedback_ok(node) -> None:
 
 
 def _queue_full(node, path: str, body: dict) -> None:
-    """The 429 of a /v1 route: requests sent at once to a node that decodes one and queues none."""
-    barrier, statuses = threading.Barrier(6), []
-
-    def one():
-        barrier.wait()
-        statuses.append(_send(node, "POST", path, **_v1(body)).status)
-    threads = [threading.Thread(target=one) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert 429 in statuses and set(statuses) <= {200, 429}, statuses
+    """The 429 of a /v1 route: while a stream holds the one sequence of a node that queues none, a request is
+    refused; once the stream ends, the same request is served."""
+    conn = http.client.HTTPConnection("127.0.0.1", node.port, timeout=60)
+    try:
+        conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+        held = conn.getresponse()
+        assert held.status == 200
+        assert held.readline().startswith(b"data: ")  # its first event: the sequence is decoding
+        refused = _send(node, "POST", path, **_v1(body))
+        held.read()
+    finally:
+        conn.close()
+    assert refused.status == 429, refused
+    assert _send(node, "POST", path, **_v1(body)).status == 200
 
 
 def _upgrade(node) -> None:

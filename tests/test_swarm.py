@@ -43,7 +43,7 @@ def test_peers_byte_identical_after_each_epoch(text_file):
     # two peers training on their own data; three nodes are test_lossless_swarm's (bridge traffic on each)
     peers = 2
     nodes = start_swarm(peers, _train_args(text_file, peers), new_run_id())
-    epochs = 4
+    epochs = 3
     try:
         _check_lockstep(nodes, peers, epochs)
     except BaseException:

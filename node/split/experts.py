@@ -10,16 +10,18 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import numpy as np
-import peft
 import torch
 from torch import nn
 from transformers import GPT2LMHeadModel
 
 from node.split.kv_cache import SplitError
 from hivemind.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    import peft
 
 logger = get_logger(__name__)
 
@@ -51,7 +53,7 @@ class _ZeroResidual(nn.Module):
 class LoraExpert:
     """One named LoRA expert; `delta(h)` is `B (A h) * scale` on the last axis of `h`."""
 
-    def __init__(self, name: str, peft_model: peft.PeftModel, d_model: int):
+    def __init__(self, name: str, peft_model: "peft.PeftModel", d_model: int):
         if not isinstance(name, str) or not name:
             raise ValueError(f"expert name must be a non-empty string, got {name!r}")
         self.name = name
@@ -66,6 +68,7 @@ class LoraExpert:
         """A fresh expert with peft's initialisation (A random, B zero: the delta starts at 0)."""
         if not isinstance(r, int) or not 1 <= r <= d_model:
             raise ValueError(f"LoRA rank r must be an integer in [1, {d_model}], got {r!r}")
+        import peft  # here, not at the top: half a second of every node's start, for experts only
         config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=[_TARGET], lora_dropout=0.0, bias="none")
         with torch.random.fork_rng(devices=[]):
             if seed is not None:
@@ -158,6 +161,7 @@ class LoraExpert:
             raise ExpertFileError(f"{meta_path}: d_model must be a positive integer, got {d_model!r}")
         if not (path / "adapter_config.json").is_file():
             raise ExpertFileError(f"{path}: no adapter_config.json (peft adapter files missing)")
+        import peft  # here, not at the top: half a second of every node's start, for experts only
         model = peft.PeftModel.from_pretrained(_ZeroResidual(d_model), str(path), is_trainable=False)
         return cls(name or meta.get("name") or path.name, model, d_model)
 
