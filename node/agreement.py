@@ -175,7 +175,7 @@ class Agreement:
             while not (published := self._others(epoch)) and time.monotonic() < deadline:
                 if self._stop.wait(0.1):
                     return Download.REFUSED
-            if published and reference_of(published)[1].digest == digest:
+            if _is_reference(published, digest):
                 return Download.CHECKED
             if _has_digest(self._others(epoch - 1).values(), digest):
                 logger.info(f"The downloaded state is that of update {epoch - 1}, labelled {epoch}; loading again")
@@ -194,7 +194,7 @@ class Agreement:
         peers serve for its epoch, else downloaded again through `load_state_from_peers`."""
         epoch, digest = self.optimizer.local_epoch, params_digest(self.model)
         published = self._others(epoch)
-        if (epoch == 0 and digest == self.seed_digest) or (published and reference_of(published)[1].digest == digest):
+        if (epoch == 0 and digest == self.seed_digest) or _is_reference(published, digest):
             return Download.CHECKED
         return self.load_state_from_peers()
 
@@ -264,6 +264,11 @@ class Agreement:
         logger.warning(f"update {snap.updates}: peer {reference_peer} serves other bytes with a higher priority; "
                        f"loading its state")
         return self._serve(snap, mine, records).snapshot
+
+
+def _is_reference(records: Mapping[str, Record], digest: str) -> bool:
+    """These are the bytes the peers serve for the records' epoch (rule 2)."""
+    return bool(records) and reference_of(records)[1].digest == digest
 
 
 def _has_digest(records: Iterable[Record], digest: str) -> bool:

@@ -437,7 +437,7 @@ class TrainingNode:
             self._publish(agreed)
 
     def _share_state(self) -> None:
-        # the model's bytes are the ones this node serves: peers may download them (off during updates and loads)
+        # the model's bytes are the ones this node serves: peers may download them (off while it loads a state)
         self.swarm.optimizer.state_averager.allow_state_sharing = True
 
     def _publish(self, snap: Snapshot) -> None:
