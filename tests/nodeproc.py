@@ -1,6 +1,7 @@
 """Real `dtrain-node` processes on 127.0.0.1 for tests: start, read their logs and HTTP, stop them cleanly."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -22,6 +23,18 @@ NORM_RE = re.compile(r"step (\d+) params sha256 [0-9a-f]{64} l2 (\S+)")
 MADDR_RE = re.compile(r"^\s+(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\S+)\s*$")
 LOG_DIR = REPO / "test-artifacts" / "nodes"  # every test node's log, kept for reading after passing runs too
 
+# A node spends about 10 s importing torch, transformers and hivemind before it reads its arguments. The harness
+# keeps one interpreter that has done so ahead of need: it waits for its arguments on stdin, then runs
+# `dtrain.cli.main` exactly as `python -m dtrain.cli ARGS` does (same cwd, environment and output). The next one
+# imports while the test runs.
+_WARM_BOOT = """
+import json, sys
+import dtrain.cli
+argv = json.loads(sys.stdin.readline())
+sys.argv = ["dtrain-node", *argv]
+dtrain.cli.main(argv)
+"""
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -37,6 +50,41 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.2):
             return value
         time.sleep(interval_s)
     raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+class _WarmSpare:
+    """One `dtrain-node` interpreter with its imports done, waiting for its arguments (see _WARM_BOOT)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._spare: Optional[subprocess.Popen] = None
+        atexit.register(self.close)
+
+    def start(self, args: Sequence[str]) -> subprocess.Popen:
+        with self._lock:
+            proc, self._spare = self._spare, None
+            if proc is None or proc.poll() is not None:
+                proc = self._spawn()
+            proc.stdin.write(json.dumps(list(args)) + "\n")
+            proc.stdin.flush()
+            self._spare = self._spawn()
+        return proc
+
+    @staticmethod
+    def _spawn() -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", _WARM_BOOT], cwd=REPO, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def close(self) -> None:
+        with self._lock:
+            if self._spare is not None and self._spare.poll() is None:
+                self._spare.kill()
+                self._spare.wait(5)
+            self._spare = None
+
+
+_WARM = _WarmSpare()
 
 
 class NodeProcess:
@@ -56,8 +104,11 @@ class NodeProcess:
         self._lock = threading.Lock()
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         self.log_path = LOG_DIR / f"{run_id}-{name}.log"
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        if env:  # an environment of its own: a cold start
+            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+        else:
+            self.proc = _WARM.start(cmd[3:])  # the arguments after `python -m dtrain.cli`
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
