@@ -63,8 +63,10 @@ export async function chooseBackend(tf, baseUrl = "", candidates = BACKENDS) {
 }
 
 /**
- * What the WASM backend can use here: {isolated, simd, multithread, threads}. Threads need cross-origin isolation
- * (SharedArrayBuffer: the node serves COOP/COEP); `threads` is the pool the backend started (null: not started).
+ * What the WASM backend can use here: {isolated, simd, multithread, threads, cores}. Threads need cross-origin
+ * isolation (SharedArrayBuffer: the node serves COOP/COEP); `threads` is the pool the backend started (null: not
+ * started). tfjs-backend-wasm 4.22 caps its pool at half the logical cores (it assumes two hyperthreads a core),
+ * so a 2-core machine gets 1 thread whatever setThreadsCount asks.
  */
 export async function wasmFeatures(tf) {
   const flag = async (name) => { try { return !!(await tf.env().getAsync(name)); } catch { return null; } };
@@ -78,6 +80,7 @@ export async function wasmFeatures(tf) {
     simd: await flag("WASM_HAS_SIMD_SUPPORT"),
     multithread: await flag("WASM_HAS_MULTITHREAD_SUPPORT"),
     threads,
+    cores: globalThis.navigator?.hardwareConcurrency ?? null,
   };
 }
 
