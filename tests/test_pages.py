@@ -56,6 +56,11 @@ def test_every_page_has_the_navigation_and_the_live_status_line(page, site_node)
         wait_until(lambda: _status_line(page)["step"] == str(status["step"]), 10, f"{path}: the node's step")
         shown = _status_line(page)
         assert (shown["peers"], shown["contributors"]) == (str(status["peers"]), str(status["contributors"]))
+        if path == "/":  # the dashboard's tiles render the same poll
+            wait_until(lambda: page.inner_text("#s-step") == f"{status['step']:,}", 10, "the dashboard's step")
+            assert page.inner_text("#s-updates") == f"{status['updates']:,}"
+            assert page.inner_text("#s-peers").startswith(f"{status['peers']:,}")
+            assert page.eval_on_selector_all("#nodes-body tr", "rs => rs.length") == len(status["nodes"])
         _shot(page, name)
 
     # live: the node moves on while /chat is open, and the line follows without a reload
