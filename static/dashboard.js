@@ -1,4 +1,8 @@
-// Dashboard for a dtrain node: polls the bridge API every 2 s and renders stats, nodes and the loss curve.
+// Dashboard for a dtrain node: the shared header's status poll (static/site.js) feeds the stats and the nodes table;
+// losses, model info and the contributor ledger are polled here every 2 s. The loss curve is static/chart.js's.
+
+import { drawSeries, fmtNum } from "./chart.js";
+import { getJSON, mountSite } from "./site.js";
 
 const POLL_MS = 2000;
 const $ = (id) => document.getElementById(id);
@@ -6,26 +10,7 @@ const $ = (id) => document.getElementById(id);
 let lastSamples = null; // {samples, t} from the previous successful poll
 let lastLosses = [];
 
-async function getJSON(path) {
-  const ctrl = new AbortController();
-  const timer = setTimeout(() => ctrl.abort(), 5000);
-  try {
-    const r = await fetch(path, { cache: "no-store", signal: ctrl.signal });
-    if (!r.ok) throw new Error(`${path}: HTTP ${r.status}`);
-    return await r.json();
-  } finally {
-    clearTimeout(timer);
-  }
-}
-
 const fmtInt = (v) => (typeof v === "number" && isFinite(v) ? v.toLocaleString("en-US") : "–");
-
-function fmtNum(v, digits = 4) {
-  if (typeof v !== "number" || !isFinite(v)) return "–";
-  const a = Math.abs(v);
-  if (a !== 0 && (a < 1e-3 || a >= 1e6)) return v.toExponential(2);
-  return Number(v.toFixed(digits)).toString();
-}
 
 function fmtAge(ts) {
   if (typeof ts !== "number") return "–";
@@ -42,16 +27,11 @@ function setText(id, v) {
   if (el) el.textContent = v;
 }
 
+// the header's status line says it too; the banner says it where the numbers are
 function setConnected(ok, msg) {
-  $("status-dot").className = "dot " + (ok ? "ok" : "bad");
-  setText("status-text", ok ? `live · updated ${new Date().toLocaleTimeString()}` : "unreachable");
   const banner = $("banner");
-  if (ok) {
-    banner.style.display = "none";
-  } else {
-    banner.textContent = `Cannot reach the node (${msg}). Retrying every ${POLL_MS / 1000} s…`;
-    banner.style.display = "block";
-  }
+  banner.textContent = ok ? "" : `Cannot reach the node (${msg}). Retrying every ${POLL_MS / 1000} s…`;
+  banner.className = ok ? "message" : "message bad";
 }
 
 // one muted row across a table's `cols` columns, for a table with nothing to show
@@ -134,76 +114,9 @@ function renderModel(info) {
 }
 
 function drawLoss(losses) {
-  const canvas = $("loss-canvas");
-  const dpr = window.devicePixelRatio || 1;
-  const cssW = canvas.clientWidth || 700;
-  const cssH = canvas.clientHeight || 260;
-  if (canvas.width !== Math.round(cssW * dpr) || canvas.height !== Math.round(cssH * dpr)) {
-    canvas.width = Math.round(cssW * dpr);
-    canvas.height = Math.round(cssH * dpr);
-  }
-  const ctx = canvas.getContext("2d");
-  ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-  ctx.clearRect(0, 0, cssW, cssH);
-  ctx.font = "12px system-ui, sans-serif";
-
-  const vals = (Array.isArray(losses) ? losses : []).filter((v) => typeof v === "number" && isFinite(v));
-  if (!vals.length) {
-    setText("loss-summary", "");
-    ctx.fillStyle = "#6b7385";
-    ctx.textAlign = "center";
-    ctx.fillText("no loss values yet", cssW / 2, cssH / 2);
-    return;
-  }
+  const vals = drawSeries($("loss-canvas"), losses);
   const last = vals[vals.length - 1];
-  setText("loss-summary", `· ${vals.length} update${vals.length === 1 ? "" : "s"}, latest ${fmtNum(last)}`);
-
-  const pad = { l: 56, r: 14, t: 12, b: 30 };
-  const w = cssW - pad.l - pad.r;
-  const h = cssH - pad.t - pad.b;
-  let lo = Math.min(...vals);
-  let hi = Math.max(...vals);
-  if (hi - lo < 1e-9) { lo -= 0.5; hi += 0.5; } // flat line / single point
-  const x = (i) => pad.l + (vals.length === 1 ? w / 2 : (i / (vals.length - 1)) * w);
-  const y = (v) => pad.t + (1 - (v - lo) / (hi - lo)) * h;
-
-  // grid + axes
-  ctx.strokeStyle = "#e3e6ec";
-  ctx.lineWidth = 1;
-  for (let k = 0; k <= 4; k++) {
-    const yy = Math.round(pad.t + (k / 4) * h) + 0.5;
-    ctx.beginPath(); ctx.moveTo(pad.l, yy); ctx.lineTo(pad.l + w, yy); ctx.stroke();
-  }
-  ctx.strokeStyle = "#9aa1b0";
-  ctx.beginPath();
-  ctx.moveTo(pad.l + 0.5, pad.t); ctx.lineTo(pad.l + 0.5, pad.t + h + 0.5); ctx.lineTo(pad.l + w, pad.t + h + 0.5);
-  ctx.stroke();
-
-  // labels: y max/min, x first/last update index
-  ctx.fillStyle = "#6b7385";
-  ctx.textAlign = "right";
-  ctx.textBaseline = "middle";
-  ctx.fillText(fmtNum(hi, 3), pad.l - 6, pad.t);
-  ctx.fillText(fmtNum(lo, 3), pad.l - 6, pad.t + h);
-  ctx.textBaseline = "top";
-  ctx.textAlign = "left";
-  ctx.fillText("1", pad.l, pad.t + h + 6);
-  ctx.textAlign = "right";
-  ctx.fillText(String(vals.length), pad.l + w, pad.t + h + 6);
-  ctx.textAlign = "center";
-  ctx.fillText("update", pad.l + w / 2, pad.t + h + 6);
-
-  // curve
-  ctx.strokeStyle = "#2f6fde";
-  ctx.lineWidth = 2;
-  ctx.lineJoin = "round";
-  ctx.beginPath();
-  vals.forEach((v, i) => (i ? ctx.lineTo(x(i), y(v)) : ctx.moveTo(x(i), y(v))));
-  ctx.stroke();
-  ctx.fillStyle = "#2f6fde";
-  ctx.beginPath();
-  ctx.arc(x(vals.length - 1), y(last), 3.5, 0, Math.PI * 2);
-  ctx.fill();
+  setText("loss-summary", vals.length ? `· ${vals.length} update${vals.length === 1 ? "" : "s"}, latest ${fmtNum(last)}` : "");
 }
 
 // the contributor ledger: who contributed what to this node, and what it refused or clipped
@@ -228,20 +141,12 @@ function renderLedger(ledger) {
 }
 
 async function poll() {
-  const [status, losses, info, ledger] = await Promise.allSettled([
-    getJSON("/api/v1/swarm/status"),
+  const [losses, info, ledger] = await Promise.allSettled([
     getJSON("/api/v1/server/losses"),
     getJSON("/api/v1/model/info"),
     getJSON("/api/v1/contributors?limit=50"),
   ]);
   if (ledger.status === "fulfilled") renderLedger(ledger.value);
-  if (status.status === "fulfilled") {
-    setConnected(true);
-    renderStatus(status.value);
-  } else {
-    setConnected(false, status.reason && status.reason.name === "AbortError" ? "timeout" : String(status.reason?.message || status.reason));
-    lastSamples = null;
-  }
   if (losses.status === "fulfilled") {
     lastLosses = losses.value;
     drawLoss(lastLosses);
@@ -253,7 +158,7 @@ async function loop() {
   try {
     await poll();
   } catch (e) {
-    setConnected(false, String(e));
+    console.error("dashboard poll:", e);
   }
   setTimeout(loop, POLL_MS);
 }
@@ -275,5 +180,10 @@ $("copy-btn").addEventListener("click", async () => {
 });
 window.addEventListener("resize", () => drawLoss(lastLosses));
 
+mountSite({ pollMs: POLL_MS }).subscribe((status, error) => {
+  setConnected(!error, error);
+  if (status) renderStatus(status);
+  else lastSamples = null;
+});
 drawLoss([]);
 loop();

@@ -33,6 +33,18 @@ function bytesToF32(bytes) {
   for (let i = 0; i < out.length; i++) out[i] = v.getFloat32(i * 4, true);
   return out;
 }
+/** `hidden` plus N(0, sigma^2) on every coordinate (Box-Muller), in place; the protocol's client-side noise (step 5). */
+export function addGaussianNoise(hidden, sigma, random = Math.random) {
+  if (!(sigma > 0)) return hidden;
+  for (let i = 0; i < hidden.length; i += 2) {
+    const u = 1 - random(), v = random(); // u in (0, 1]: log(u) is finite
+    const r = sigma * Math.sqrt(-2 * Math.log(u));
+    hidden[i] += r * Math.cos(2 * Math.PI * v);
+    if (i + 1 < hidden.length) hidden[i + 1] += r * Math.sin(2 * Math.PI * v);
+  }
+  return hidden;
+}
+
 function newSessionId() {
   if (globalThis.crypto?.randomUUID) return globalThis.crypto.randomUUID().replace(/-/g, "");
   return Array.from({ length: 32 }, () => Math.floor(Math.random() * 16).toString(16)).join("");
@@ -44,6 +56,7 @@ export class SplitClient {
     this.config = null;
     this.wte = null; // Uint16Array [V * d] f16 bits (tied with the LM head)
     this.lastAnswer = {}; // the node's last forward answer (total_ms, he_active, dp_sigma, ...)
+    this.sessionId = null; // the session id of the latest generate()
     this.ws = null;
     this._wsQueue = Promise.resolve();
   }
@@ -197,26 +210,36 @@ export class SplitClient {
     return out;
   }
 
-  /** New token ids after promptIds; onToken(id, index) is called as each arrives. */
+  /**
+   * New token ids after promptIds; onToken(id, index) is called as each arrives. opts: temperature, topK, topP,
+   * repetitionPenalty, stopTokenIds, expertName, useHe, noiseSigma (client-side Gaussian noise on every embedding
+   * sent: what the node can recover of the prompt against what survives of the answer, docs/split-privacy.md).
+   */
   async generate(promptIds, maxNewTokens = 32, opts = {}, onToken = null) {
     const ids = promptIds.map(Number), d = this.config.hidden_size, maxLen = this.config.max_seq_len;
     if (!ids.length) throw new Error("the prompt has no tokens");
+    const noiseSigma = Number(opts.noiseSigma ?? 0);
+    if (!(noiseSigma >= 0 && Number.isFinite(noiseSigma))) {
+      throw new SplitClientError(`noiseSigma must be a number >= 0, got ${opts.noiseSigma}`);
+    }
+    const embed = (part) => addGaussianNoise(this.embedMany(part), noiseSigma);
     const fwd = { expertName: opts.expertName ?? null, useHe: !!opts.useHe };
     const stop = new Set(opts.stopTokenIds || []);
     const sessionId = newSessionId(), fresh = [];
+    this.sessionId = sessionId; // the node's KV-cache session of this generation
     let sent = 0;
     while (fresh.length < maxNewTokens && ids.length <= maxLen) {
       let pre;
       if (sent) {
         try {
-          pre = await this.forward(this.embedMany(ids.slice(sent)), ids.length - sent, { ...fwd, sessionId, incremental: true });
+          pre = await this.forward(embed(ids.slice(sent)), ids.length - sent, { ...fwd, sessionId, incremental: true });
         } catch (e) {
           if (!RESTART_CODES.includes(e.code)) throw e;
           await this.loadWeights(); // the model moved or the cache expired: fresh weights, whole sequence again
-          pre = await this.forward(this.embedMany(ids), ids.length, { ...fwd, sessionId, incremental: false });
+          pre = await this.forward(embed(ids), ids.length, { ...fwd, sessionId, incremental: false });
         }
       } else {
-        pre = await this.forward(this.embedMany(ids), ids.length, { ...fwd, sessionId, incremental: false });
+        pre = await this.forward(embed(ids), ids.length, { ...fwd, sessionId, incremental: false });
       }
       sent = ids.length;
       const logits = this.lmHead(pre.subarray(pre.length - d));

@@ -59,7 +59,29 @@ export async function chooseBackend(tf, baseUrl = "", candidates = BACKENDS) {
   if (!usable.length) throw new TrainerError("no TensorFlow.js backend could start in this browser");
   await tf.setBackend(usable[0][0]);
   await tf.ready();
-  return { backend: usable[0][0], timings };
+  return { backend: usable[0][0], timings, wasm: await wasmFeatures(tf) };
+}
+
+/**
+ * What the WASM backend can use here: {isolated, simd, multithread, threads, cores}. Threads need cross-origin
+ * isolation (SharedArrayBuffer: the node serves COOP/COEP); `threads` is the pool the backend started (null: not
+ * started). tfjs-backend-wasm 4.22 caps its pool at half the logical cores (it assumes two hyperthreads a core),
+ * so a 2-core machine gets 1 thread whatever setThreadsCount asks.
+ */
+export async function wasmFeatures(tf) {
+  const flag = async (name) => { try { return !!(await tf.env().getAsync(name)); } catch { return null; } };
+  let threads = null;
+  try { // the backend's own count, once it is initialized (tfjs-backend-wasm's get_threads_count export)
+    const b = tf.findBackend?.("wasm");
+    if (b?.wasm?.tfjs?.getThreadsCount) threads = b.wasm.tfjs.getThreadsCount();
+  } catch { threads = null; }
+  return {
+    isolated: !!globalThis.crossOriginIsolated,
+    simd: await flag("WASM_HAS_SIMD_SUPPORT"),
+    multithread: await flag("WASM_HAS_MULTITHREAD_SUPPORT"),
+    threads,
+    cores: globalThis.navigator?.hardwareConcurrency ?? null,
+  };
 }
 
 export class BrowserTrainer {
@@ -82,7 +104,9 @@ export class BrowserTrainer {
     this.manifest = null;
     this.step = null; // the step of the loaded parameters
     this.tensors = null; // tf tensors in manifest order
-    this.stats = { downloadedBytes: 0, cacheHits: 0, steps: 0, samples: 0, lastLoss: null, refetches: 0 };
+    // trainMs: time spent in accepted contributions (batch, gradients, encode, submit), not in model downloads
+    this.stats = { downloadedBytes: 0, cacheHits: 0, steps: 0, samples: 0, tokens: 0, trainMs: 0, lastMs: null,
+                   lastLoss: null, refetches: 0 };
     this._tokens = null; // token ids of `text`
     this._stopped = false;
   }
@@ -172,6 +196,7 @@ export class BrowserTrainer {
   /** One contribution: batch, gradients, DGRD packet, submit. Returns the node's answer and what was sent. */
   async trainOnce() {
     if (this.tensors === null) await this.loadModel();
+    const t0 = performance.now();
     const { ids, batch, seqLen } = await this.nextBatch();
     const { loss, grads } = await this.gradients(ids, batch, seqLen);
     if (!Number.isFinite(loss)) throw new TrainerError(`the loss is ${loss}; not submitting`);
@@ -189,8 +214,11 @@ export class BrowserTrainer {
       return { status: 409, loss, serverStep: body.server_step };
     }
     if (!r.ok) throw new TrainerError(`submit: ${body.message}`, r.status);
+    this.stats.lastMs = performance.now() - t0;
+    this.stats.trainMs += this.stats.lastMs;
     this.stats.steps++;
     this.stats.samples += batch;
+    this.stats.tokens += batch * seqLen;
     this.stats.lastLoss = loss;
     this.onEvent({ type: "step", step: this.step, serverStep: body.server_step, loss, bytes: packet.byteLength, ...this.stats });
     if (body.server_step !== this.step) await this.loadModel(); // the swarm moved on: train on the new step
