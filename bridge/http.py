@@ -1,7 +1,6 @@
 """HTTP/1.1 rules of Training API v1 that hold for every route: CORS everywhere, JSON errors, body limits."""
 from __future__ import annotations
 
-import threading
 from typing import Optional
 
 from aiohttp import web
@@ -95,26 +94,6 @@ async def read_body(request: web.Request, max_body_bytes: int) -> bytearray:
         view[got:got + len(chunk)] = chunk
         got += len(chunk)
     return body
-
-
-class DecodeGate:
-    """Bounds how many packets are decoded at once, so a burst of uploads costs memory only for its bodies.
-
-    Decoding allocates per entry (int64 indices: 8 bytes for each 3- or 8-byte wire entry); with the default
-    executor, six of them ran at once. Use it around the decode on the executor thread: ``with gate: ...``.
-    """
-
-    def __init__(self, concurrent: int = 2):
-        if concurrent < 1:
-            raise ValueError(f"concurrent must be >= 1, got {concurrent}")
-        self._slots = threading.BoundedSemaphore(concurrent)
-
-    def __enter__(self) -> "DecodeGate":
-        self._slots.acquire()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._slots.release()
 
 
 def int_param(request: web.Request, name: str, default: Optional[int] = None, minimum: int = 0) -> Optional[int]:

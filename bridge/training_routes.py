@@ -12,7 +12,7 @@ from bridge.http import ApiError, int_param, read_body
 from bridge.gate import GateError
 from bridge.keys import DATASET, GATE, LEDGER, NODE, STATE
 from node.config import ModelConfig
-from node.contribution import Contribution, Section
+from node.contribution import Contribution
 from node.ledger import ContributorLedger, RejectReason
 from node.model import TensorInfo
 from node.pool import StepMismatch
@@ -50,11 +50,9 @@ def status_json(s: NodeStatus) -> dict:
 
 
 def contribution(packet: dgrd.Packet) -> Contribution:
-    """The node's input: a decoded, fully validated packet (the arrays are not copied)."""
-    return Contribution(
-        contributor=packet.node_id, step=packet.step, samples=packet.samples, loss=packet.train_loss,
-        sections=tuple(Section(s.tensor_id, s.indices, s.values, unique=s.unique) for s in packet.sections),
-    )
+    """The node's input: a decoded, fully validated packet (its sections are the node's, views of the packet)."""
+    return Contribution(contributor=packet.node_id, step=packet.step, samples=packet.samples,
+                        loss=packet.train_loss, sections=packet.sections)
 
 
 # ---- routes ---------------------------------------------------------------------------------------------
@@ -145,8 +143,7 @@ async def _send_range(request: web.Request, headers: dict, fobj, offset_bytes: i
 def _ingest(node, body: bytes, state, gate, ledger: ContributorLedger) -> int:
     """Decode and validate the whole packet, check it at the gate, hand it to the node; runs off the event loop."""
     try:
-        with state.decode_gate:
-            packet = dgrd.decode(body, state.tensor_elements)
+        packet = dgrd.decode(body, state.tensor_elements)  # reductions over the body: nothing per entry allocated
     except dgrd.PacketError as e:
         raise ApiError(400, f"malformed packet: {e}", server_step=node.step) from None
     try:
