@@ -1,6 +1,7 @@
 """HTTP/1.1 rules of Training API v1 that hold for every route: CORS everywhere, JSON errors, body limits."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from aiohttp import web
@@ -36,6 +37,19 @@ class ApiError(Exception):
 
 async def _add_cors(request: web.Request, response: web.StreamResponse) -> None:
     response.headers.update(CORS_HEADERS)
+
+
+class RetryLater(ApiError):
+    """An answer with Retry-After (whole seconds): 429 over a rate limit, 503 while the node holds too much."""
+
+    def __init__(self, status: int, message: str, retry_after_s: float, server_step: Optional[int] = None):
+        super().__init__(status, message, server_step=server_step)
+        self.retry_after_s = max(1, math.ceil(retry_after_s))
+
+    def response(self) -> web.Response:
+        response = super().response()
+        response.headers["Retry-After"] = str(self.retry_after_s)
+        return response
 
 
 @web.middleware
