@@ -40,7 +40,7 @@ class LazySection:
     def __init__(self, tensor_id: int, unique: bool, nbytes: int,
                  make: Callable[[], tuple[np.ndarray, np.ndarray]]):
         self.tensor_id, self.unique, self.nbytes = tensor_id, unique, nbytes  # nbytes: of the packet, held
-        self._make: Optional[Callable[[], tuple[np.ndarray, np.ndarray]]] = make  # -> (indices, values)
+        self._make = make  # -> (indices, values)
         self._arrays: Optional[tuple[np.ndarray, np.ndarray]] = None
 
     @property
@@ -52,8 +52,8 @@ class LazySection:
         return self._widened()[1]
 
     def _widened(self) -> tuple[np.ndarray, np.ndarray]:
-        if self._arrays is None:
-            self._arrays, self._make = self._make(), None
+        if self._arrays is None:  # two threads reading at once would both make the same arrays: no harm
+            self._arrays = self._make()
         return self._arrays
 
 

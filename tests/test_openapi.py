@@ -3,9 +3,10 @@ every operation is answered by a real node to a real request of this module (and
 
 How the statuses are checked: two real nodes (`node`: started as `make node` starts it; `other`: --no-data, a
 --split-model directory, contributor tokens, a two-packet rate limit, a 1 MiB pool and two contributors per update,
-for the answers only such a node gives) get one request per documented (operation, status) from the table below. Each answer is checked against its documented status and media type; then both
-nodes' /metrics are read, and the set of (method, route template, status) their middleware counted in
-dtrain_http_requests_total must equal the document's. This module needs no other test module, so it holds when
+for the answers only such a node gives) get one request per documented (operation, status) from the table below.
+Each answer is checked against its documented status and media type; then both nodes' /metrics are read, and the
+set of (method, route template, status) their middleware counted in dtrain_http_requests_total must equal the
+document's. This module needs no other test module, so it holds when
 run alone; undocumented routes cannot reach a node at all: bridge.openapi refuses to start an app with one.
 """
 from __future__ import annotations
