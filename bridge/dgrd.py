@@ -25,18 +25,21 @@ Mode 2 indices: the first is ``skip[0]``, each next is ``previous + skip + 1``, 
 ``cumsum(skip + 1) - 1``. A step longer than 256 is bridged by the encoder with zero-valued entries.
 
 ``decode`` validates the whole packet before it returns, so a caller that decodes and then
-``accumulate``s applies a packet entirely or not at all.
+``accumulate``s applies a packet entirely or not at all. It validates with reductions over the packet's own
+bytes and allocates nothing per entry: sparse sections come back as ``LazySection``s that widen their indices
+to int64 and their values to float32 when first read (on the node's training thread), once.
 """
 
 from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from functools import partial
 from typing import Sequence, Union
 
 import numpy as np
 
-from node.contribution import add_sections
+from node.contribution import AnySection, LazySection, Section, add_sections
 
 MAGIC = b"DGRD"
 VERSION = 1
@@ -52,7 +55,12 @@ SECTION = struct.Struct("<II")  # tensor_id, nnz
 MODE1_ENTRY = np.dtype([("i", "<u4"), ("v", "<f4")])  # itemsize 8
 MODE2_ENTRY = np.dtype([("s", "<u1"), ("v", "<f2")])  # packed, itemsize 3
 DENSE_ENTRY = np.dtype("<f2")
-FINITE_CHUNK = 1 << 18  # float16 elements checked per pass: a 512 KiB scratch that stays in cache
+CHECK_CHUNK_BYTES = 1 << 18  # scratch of one validation pass: 256 KiB, stays in cache
+# Mode 2 entries are 3 bytes: a half's exponent bits are bits 2..6 of the entry's last byte. ANDed with this mask
+# (whole entries, one chunk), a section's bytes are 0x7C somewhere iff a value is not finite: one contiguous pass
+# instead of a 3-byte-strided one (1.5x faster measured)
+MODE2_EXPONENT_MASK = np.tile(np.array([0, 0, 0x7C], np.uint8), CHECK_CHUNK_BYTES // 3)
+MODE2_EXPONENT_MASK.setflags(write=False)
 
 # float32 value of every float16 bit pattern (inf and NaN included, so a check after the lookup
 # still sees them): numpy casts float16 in software, a 256 KiB table lookup is ~7x faster
@@ -67,15 +75,6 @@ class PacketError(ValueError):
 
 
 @dataclass(frozen=True)
-class Section:
-    tensor_id: int
-    indices: np.ndarray | None  # int64 element indices; None: dense, values has every element
-    # float32, one per index; a dense section from decode keeps the packet's float16 (a view)
-    values: np.ndarray
-    unique: bool = False  # indices strictly increasing (Mode 2): added without np.add.at
-
-
-@dataclass(frozen=True)
 class Packet:
     version: int
     flags: int
@@ -83,7 +82,9 @@ class Packet:
     node_id: str
     train_loss: float
     samples: int
-    sections: tuple[Section, ...]
+    # the node's sections (node.contribution): a dense one is a Section holding the packet's float16 (a view);
+    # a sparse one is a LazySection over the packet's entries (int64 indices and float32 values on first read)
+    sections: tuple[AnySection, ...]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,31 +103,56 @@ def _check_bounds(tid: int, indices: np.ndarray, elements: int) -> None:
         raise PacketError(f"tensor {tid}: index {bad} >= {elements} elements")
 
 
-def _check_finite(tid: int, values: np.ndarray) -> None:
-    # min and max are reductions with no temporary array, and NaN propagates through both; only a
-    # packet that fails pays for np.isfinite to find the entry the message names.
-    if values.size and np.isfinite(values.min()) and np.isfinite(values.max()):
-        return
+def _not_finite(tid: int, values: np.ndarray) -> None:
+    """Name the first entry that is not finite (only a packet that failed a check pays for this pass)."""
     finite = np.isfinite(values)
     if not finite.all():
         bad = int(np.argmin(finite))
         raise PacketError(f"tensor {tid}: value at entry {bad} is not finite ({values[bad]})")
 
 
-def _check_finite_f16(tid: int, values: np.ndarray) -> None:
+def _check_finite_f32(tid: int, values: np.ndarray, scratch: np.ndarray) -> None:
+    """max |v| is finite iff every v is (NaN propagates through both), a chunk at a time: no copy of the section."""
+    out = scratch.view(np.float32)
+    for start in range(0, values.size, out.size):
+        chunk = values[start:start + out.size]
+        if not np.isfinite(np.abs(chunk, out=out[:chunk.size]).max()):
+            _not_finite(tid, values)
+
+
+def _check_finite_f16(tid: int, values: np.ndarray, scratch: np.ndarray) -> None:
     """Dense float16 checked on its bits, a chunk at a time: no float32 copy of the tensor is made.
 
     A half is finite iff its exponent bits are not all ones: with the sign shifted out,
     ``bits << 1 < 0xF800``. numpy's float16 arithmetic is software; this stays in uint16 SIMD.
     """
-    bits = values.view("<u2")
-    scratch = np.empty(min(bits.size, FINITE_CHUNK), np.uint16)
-    for start in range(0, bits.size, FINITE_CHUNK):
-        chunk = bits[start:start + FINITE_CHUNK]
-        shifted = np.left_shift(chunk, 1, out=scratch[:chunk.size])
-        if shifted.max() >= 0xF800:
-            bad = start + int(np.argmax(shifted >= 0xF800))
-            raise PacketError(f"tensor {tid}: value at entry {bad} is not finite ({values[bad]})")
+    bits, out = values.view("<u2"), scratch.view(np.uint16)
+    for start in range(0, bits.size, out.size):
+        chunk = bits[start:start + out.size]
+        if np.left_shift(chunk, 1, out=out[:chunk.size]).max() >= 0xF800:
+            _not_finite(tid, values)
+
+
+def _check_mode1(tid: int, rec: np.ndarray, elements: int, scratch: np.ndarray) -> None:
+    if int(rec["i"].max()) >= elements:  # a strided view of the packet's u32: nothing widened
+        _check_bounds(tid, rec["i"], elements)
+    _check_finite_f32(tid, rec["v"], scratch)
+
+
+def _check_mode2(tid: int, raw: np.ndarray, elements: int, scratch: np.ndarray) -> None:
+    """Two reductions over the section's bytes (``raw``: nnz x (u8 skip, f16 value)); no index array is built.
+
+    Every step is >= 1, so the indices strictly increase and the last is the largest: ``cumsum(skip + 1) - 1``
+    ends at ``sum(skip) + nnz - 1``. A half is not finite iff its five exponent bits are all ones.
+    """
+    nnz = raw.size // MODE2_ENTRY.itemsize
+    if int(np.add.reduce(raw[0::3], dtype=np.int64)) + nnz - 1 >= elements:
+        _check_bounds(tid, _mode2_indices(raw), elements)
+    step = MODE2_EXPONENT_MASK.size
+    for start in range(0, raw.size, step):
+        chunk = raw[start:start + step]
+        if np.maximum.reduce(np.bitwise_and(chunk, MODE2_EXPONENT_MASK[:chunk.size], out=scratch[:chunk.size])) == 0x7C:
+            _not_finite(tid, _half_to_f32(raw.view(MODE2_ENTRY)["v"]))
 
 
 def _half_to_f32(half: np.ndarray) -> np.ndarray:
@@ -134,11 +160,28 @@ def _half_to_f32(half: np.ndarray) -> np.ndarray:
     return F16_TO_F32.take(half.view("<u2"), mode="clip")  # every uint16 is in range: no bounds pass
 
 
+# what a LazySection makes on first read, from a validated section's bytes
+
+
+def _mode1_arrays(rec: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return rec["i"].astype(np.int64), rec["v"]  # values: a strided view of the packet's float32, no copy
+
+
+def _mode2_indices(raw: np.ndarray) -> np.ndarray:
+    steps = np.add(raw[0::3], 1, dtype=np.int64)  # skip + 1; the first counts from a virtual -1
+    steps[0] -= 1
+    return np.cumsum(steps, out=steps)
+
+
+def _mode2_arrays(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return _mode2_indices(raw), _half_to_f32(raw.view(MODE2_ENTRY)["v"])
+
+
 def decode(data: Buffer, tensor_elements: Sequence[int]) -> Packet:
     """Parse and fully validate one packet; ``tensor_elements[i]`` is tensor i's element count.
 
-    Sections are views into ``data`` wherever the wire already holds what a Section carries
-    (Mode 1 values, Mode 3 float16 values), so keep ``data`` unchanged while the packet lives.
+    Sections hold views into ``data`` (a dense one its float16, a sparse one its entries), so keep ``data``
+    unchanged while the packet lives.
     """
     buf = memoryview(data).cast("B")
     _need(buf, 0, HEAD.size, "header")
@@ -168,8 +211,9 @@ def decode(data: Buffer, tensor_elements: Sequence[int]) -> Packet:
     # Every section is at least 8 bytes: refuse an absurd count before looping over it.
     _need(buf, pos, n_tensors * SECTION.size, f"sections ({n_tensors} declared)")
 
-    sections = []
+    sections: list[AnySection] = []
     seen: set[int] = set()
+    scratch = np.empty(CHECK_CHUNK_BYTES, np.uint8)
     for k in range(n_tensors):
         _need(buf, pos, SECTION.size, f"section {k} header")
         tid, nnz = SECTION.unpack_from(buf, pos)
@@ -187,32 +231,20 @@ def decode(data: Buffer, tensor_elements: Sequence[int]) -> Packet:
             # as it adds, so no float32 copy (twice the packet) is ever made of a dense tensor
             values = np.frombuffer(buf, DENSE_ENTRY, count=elements, offset=pos)
             pos += elements * DENSE_ENTRY.itemsize
-            _check_finite_f16(tid, values)
+            _check_finite_f16(tid, values, scratch)
             sections.append(Section(tid, None, values))
             continue
-        entry = MODE1_ENTRY if flags == FLAGS_MODE1 else MODE2_ENTRY
-        _need(buf, pos, nnz * entry.itemsize, f"tensor {tid} body ({nnz} entries)")
-        rec = np.frombuffer(buf, entry, count=nnz, offset=pos)
-        pos += nnz * entry.itemsize
+        size = nnz * (MODE1_ENTRY if flags == FLAGS_MODE1 else MODE2_ENTRY).itemsize
+        _need(buf, pos, size, f"tensor {tid} body ({nnz} entries)")
         if flags == FLAGS_MODE1:
-            raw = rec["i"]  # strided u32 view: bounds checked before anything is widened
-            if int(raw.max()) >= elements:
-                _check_bounds(tid, raw, elements)
-            indices = raw.astype(np.int64)
-            values = rec["v"]  # a strided view of the packet's float32: no copy
-            _check_finite(tid, values)
-            sections.append(Section(tid, indices, values))
-            continue
-        indices = rec["s"].astype(np.int64)  # cumsum(skip + 1) - 1, in place
-        indices += 1
-        np.cumsum(indices, out=indices)
-        indices -= 1
-        # every step is >= 1, so the indices strictly increase and the last one is the largest
-        if int(indices[-1]) >= elements:
-            _check_bounds(tid, indices, elements)
-        values = _half_to_f32(rec["v"])
-        _check_finite(tid, values)
-        sections.append(Section(tid, indices, values, unique=True))
+            rec = np.frombuffer(buf, MODE1_ENTRY, count=nnz, offset=pos)
+            _check_mode1(tid, rec, elements, scratch)
+            sections.append(LazySection(tid, False, size, partial(_mode1_arrays, rec)))
+        else:
+            raw = np.frombuffer(buf, np.uint8, count=size, offset=pos)
+            _check_mode2(tid, raw, elements, scratch)
+            sections.append(LazySection(tid, True, size, partial(_mode2_arrays, raw)))
+        pos += size
     if pos != len(buf):
         raise PacketError(f"trailing bytes: {len(buf) - pos} after the last section")
     return Packet(version, flags, step, node_id, float(train_loss), samples, tuple(sections))
@@ -244,7 +276,7 @@ def _to_f16(tid: int, values: np.ndarray) -> np.ndarray:
 
 
 def encode(step: int, node_id: str, train_loss: float, samples: int,
-           sections: Sequence[tuple[int, np.ndarray | None, np.ndarray] | Section],
+           sections: Sequence[tuple[int, np.ndarray | None, np.ndarray] | AnySection],
            flags: int = FLAGS_MODE1) -> bytes:
     """Build a packet. ``sections`` holds (tensor_id, indices or None for dense, values).
 
@@ -266,7 +298,7 @@ def encode(step: int, node_id: str, train_loss: float, samples: int,
 
     body: list[bytes] = []
     for s in sections:
-        tid, indices, values = ((s.tensor_id, s.indices, s.values) if isinstance(s, Section)
+        tid, indices, values = ((s.tensor_id, s.indices, s.values) if isinstance(s, (Section, LazySection))
                                 else s)
         values = np.asarray(values).reshape(-1)
         if indices is None:

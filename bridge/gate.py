@@ -31,7 +31,7 @@ from typing import Callable, Mapping, Optional
 from aiohttp import web
 from hivemind.utils.logging import get_logger
 
-from bridge.http import ApiError
+from bridge.http import ApiError, RetryLater
 from node.ledger import RejectReason
 
 logger = get_logger(__name__)
@@ -90,17 +90,12 @@ class SamplesAboveCap(GateError):
                               f"samples per packet (split a larger batch)", server_step=server_step)
 
 
-class RateLimited(GateError):
+class RateLimited(GateError, RetryLater):
     reason = RejectReason.RATE_LIMITED
 
     def __init__(self, who: str, retry_after_s: float, server_step: Optional[int] = None):
-        self.retry_after_s = max(1, math.ceil(retry_after_s))  # Retry-After is whole seconds
-        super().__init__(429, f"rate limit for {who}: retry after {self.retry_after_s} s", server_step=server_step)
-
-    def response(self) -> web.Response:
-        response = super().response()
-        response.headers["Retry-After"] = str(self.retry_after_s)
-        return response
+        wait_s = max(1, math.ceil(retry_after_s))  # Retry-After is whole seconds
+        super().__init__(429, f"rate limit for {who}: retry after {wait_s} s", wait_s, server_step=server_step)
 
 
 def load_tokens(path: str | Path) -> frozenset[bytes]:

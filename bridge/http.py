@@ -1,7 +1,7 @@
 """HTTP/1.1 rules of Training API v1 that hold for every route: CORS everywhere, JSON errors, body limits."""
 from __future__ import annotations
 
-import threading
+import math
 from typing import Optional
 
 from aiohttp import web
@@ -37,6 +37,19 @@ class ApiError(Exception):
 
 async def _add_cors(request: web.Request, response: web.StreamResponse) -> None:
     response.headers.update(CORS_HEADERS)
+
+
+class RetryLater(ApiError):
+    """An answer with Retry-After (whole seconds): 429 over a rate limit, 503 while the node holds too much."""
+
+    def __init__(self, status: int, message: str, retry_after_s: float, server_step: Optional[int] = None):
+        super().__init__(status, message, server_step=server_step)
+        self.retry_after_s = max(1, math.ceil(retry_after_s))
+
+    def response(self) -> web.Response:
+        response = super().response()
+        response.headers["Retry-After"] = str(self.retry_after_s)
+        return response
 
 
 @web.middleware
@@ -95,26 +108,6 @@ async def read_body(request: web.Request, max_body_bytes: int) -> bytearray:
         view[got:got + len(chunk)] = chunk
         got += len(chunk)
     return body
-
-
-class DecodeGate:
-    """Bounds how many packets are decoded at once, so a burst of uploads costs memory only for its bodies.
-
-    Decoding allocates per entry (int64 indices: 8 bytes for each 3- or 8-byte wire entry); with the default
-    executor, six of them ran at once. Use it around the decode on the executor thread: ``with gate: ...``.
-    """
-
-    def __init__(self, concurrent: int = 2):
-        if concurrent < 1:
-            raise ValueError(f"concurrent must be >= 1, got {concurrent}")
-        self._slots = threading.BoundedSemaphore(concurrent)
-
-    def __enter__(self) -> "DecodeGate":
-        self._slots.acquire()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._slots.release()
 
 
 def int_param(request: web.Request, name: str, default: Optional[int] = None, minimum: int = 0) -> Optional[int]:

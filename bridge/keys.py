@@ -8,7 +8,6 @@ import numpy as np
 from aiohttp import web
 
 from bridge.gate import Gate
-from bridge.http import DecodeGate
 from node.ledger import ContributorLedger
 from node.config import NodeConfig
 from node.data import TokenDataset
@@ -20,7 +19,6 @@ class BridgeState:
     tensor_elements: tuple[int, ...]  # element count per tensor id, for DGRD validation
     max_packet_bytes: int  # 413 above this
     rng: np.random.Generator = field(default_factory=np.random.default_rng)
-    decode_gate: DecodeGate = field(default_factory=DecodeGate)  # bounds packets decoded at once (memory)
 
 
 NODE = web.AppKey("node", TrainingNode)

@@ -27,7 +27,7 @@ FORWARD_ROUTE = "/api/v1/split/forward"
 UNMATCHED = "(unmatched)"  # route label of paths no route matched: a bounded label set whatever clients send
 # why the node refused a packet, by the status /api/v1/train/submit answered (bridge/training_routes.py)
 REJECT_REASONS = {400: "malformed", 409: "step_mismatch", 411: "no_content_length", 413: "too_large",
-                  500: "internal"}
+                  500: "internal", 503: "node_busy"}
 BYTES_PER_ELEMENT = {"f16": 2, "f32": 4}
 FORWARD_BUCKETS_S = (0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 UPDATE_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)

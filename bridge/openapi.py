@@ -147,6 +147,9 @@ def _paths() -> dict:
                 429: _json("this node_id (or, with an address limit, this client address) is over its rate limit "
                            "(--rate-limit, --rate-burst); nothing applied, retry after Retry-After seconds",
                            _ref("Error"), ("Retry-After",)),
+                503: _json("the node holds --max-pending-mib of accepted packets its training thread has not taken "
+                           "yet (it takes none during an update); nothing applied, retry after Retry-After seconds",
+                           _ref("Error"), ("Retry-After",)),
                 **_LENGTH_ERRORS,
             }, body={"required": True, "description": "a DGRD packet (docs/ and bridge/dgrd.py)",
                      "content": {BYTES: {"schema": {"type": "string", "format": "binary"}}}})},
@@ -217,7 +220,7 @@ def _headers() -> dict:
         "X-Model-Step": "model step the bytes belong to", "X-Tensor-Id": "tensor id",
         "X-Tensor-Offset": "first element", "X-Tensor-Count": "elements in the body",
         "X-Tensor-Format": "f16 or f32", "X-Batch-Size": "sequences in the body", "X-Seq-Len": "tokens per sequence",
-        "Retry-After": "whole seconds until the contributor's rate limit lets a packet through",
+        "Retry-After": "whole seconds until the contributor's rate limit (429) or the node (503) may take a packet",
         "WWW-Authenticate": "Bearer realm=\"dtrain\"",
     }
     strings = ("X-Tensor-Format", "WWW-Authenticate")

@@ -8,19 +8,20 @@ import json
 from aiohttp import web
 
 from bridge import dgrd
-from bridge.http import ApiError, int_param, read_body
+from bridge.http import ApiError, RetryLater, int_param, read_body
 from bridge.gate import GateError
 from bridge.keys import DATASET, GATE, LEDGER, NODE, STATE
 from node.config import ModelConfig
-from node.contribution import Contribution, Section
+from node.contribution import Contribution
 from node.ledger import ContributorLedger, RejectReason
 from node.model import TensorInfo
-from node.pool import StepMismatch
+from node.pool import PoolFull, StepMismatch
 from node.trainer import NodeStatus
 
 FORMATS = ("f16", "f32")
 MAX_BATCH_SIZE = 256  # sequences per /api/v1/data/batch answer
 SEND_CHUNK_BYTES = 1 << 20  # writes of a download when sendfile is not available: bounded transport buffer
+POOL_FULL_RETRY_S = 1  # Retry-After of a 503: the training thread takes what the pool holds between updates
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -50,11 +51,9 @@ def status_json(s: NodeStatus) -> dict:
 
 
 def contribution(packet: dgrd.Packet) -> Contribution:
-    """The node's input: a decoded, fully validated packet (the arrays are not copied)."""
-    return Contribution(
-        contributor=packet.node_id, step=packet.step, samples=packet.samples, loss=packet.train_loss,
-        sections=tuple(Section(s.tensor_id, s.indices, s.values, unique=s.unique) for s in packet.sections),
-    )
+    """The node's input: a decoded, fully validated packet (its sections are the node's, views of the packet)."""
+    return Contribution(contributor=packet.node_id, step=packet.step, samples=packet.samples,
+                        loss=packet.train_loss, sections=packet.sections)
 
 
 # ---- routes ---------------------------------------------------------------------------------------------
@@ -145,8 +144,7 @@ async def _send_range(request: web.Request, headers: dict, fobj, offset_bytes: i
 def _ingest(node, body: bytes, state, gate, ledger: ContributorLedger) -> int:
     """Decode and validate the whole packet, check it at the gate, hand it to the node; runs off the event loop."""
     try:
-        with state.decode_gate:
-            packet = dgrd.decode(body, state.tensor_elements)
+        packet = dgrd.decode(body, state.tensor_elements)  # reductions over the body: nothing per entry allocated
     except dgrd.PacketError as e:
         raise ApiError(400, f"malformed packet: {e}", server_step=node.step) from None
     try:
@@ -160,6 +158,9 @@ def _ingest(node, body: bytes, state, gate, ledger: ContributorLedger) -> int:
     except StepMismatch as e:
         ledger.rejected(packet.node_id, RejectReason.STEP_MISMATCH)
         raise ApiError(409, "step mismatch; fetch latest model", server_step=e.server_step) from None
+    except PoolFull as e:
+        ledger.rejected(packet.node_id, RejectReason.NODE_BUSY)
+        raise RetryLater(503, f"node busy: {e}", POOL_FULL_RETRY_S, server_step=node.step) from None
     ledger.accepted(packet.node_id, packet.samples)
     return step
 

@@ -158,8 +158,22 @@ class NodeConfig:
     min_cosine: Optional[float] = option(None, "--min-cosine", "direction check: a contribution whose cosine with the "
                                          "node's Adam momentum is below this counts with weight 0, e.g. -0.05 "
                                          "(default: off; it stops sign-flipped gradients but may drop an honest one)")
+    # memory: accepted packets wait in the node's pool until its training thread takes them (during an update it
+    # takes none); many node_ids may pile up packets meanwhile
+    max_pending_mib: int = option(512, "--max-pending-mib", "MiB of accepted packets a node holds before its "
+                                  "training thread takes them; above it a packet is refused with 503 and "
+                                  "Retry-After (0: no bound)")
     split: SplitConfig = field(default_factory=SplitConfig)  # split-inference options
     serve: ServeConfig = field(default_factory=ServeConfig)  # the OpenAI-compatible API, capture and feedback
+
+    def __post_init__(self):
+        if not isinstance(self.max_pending_mib, int) or self.max_pending_mib < 0:
+            raise ConfigError(f"max_pending_mib must be an integer >= 0 (0: no bound), got {self.max_pending_mib!r}")
+
+    @property
+    def max_pending_bytes(self) -> Optional[int]:
+        """The pool's byte bound (node.pool.ContributionPool); None: no bound."""
+        return self.max_pending_mib << 20 if self.max_pending_mib else None
 
     def model_config_path(self) -> Path:
         return Path(self.model_config) if self.model_config else Path(self.static_dir) / "model_config.json"

@@ -6,7 +6,7 @@ owns everything after that (weighting, pooling, accumulation). Pure numpy, no hi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -21,6 +21,44 @@ class Section:
     values: np.ndarray  # float32 per index; a dense section may hold float16 (Mode 3 as it came off the wire)
     unique: bool = False  # indices strictly increasing (DGRD Mode 2): a plain indexed add, no np.add.at
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes its arrays span (views of a packet: the packet's bytes they keep alive)."""
+        return self.values.nbytes + (0 if self.indices is None else self.indices.nbytes)
+
+
+class LazySection:
+    """A sparse Section whose int64 indices and float32 values are made on first read, then kept.
+
+    The bridge validates a packet on the request path with reductions over its bytes and hands its sparse sections
+    over as they lie in the packet; whoever reads `indices` or `values` first (the training thread, when it
+    aggregates) widens them, once. Until then it holds only `nbytes` of the packet. Reads like a `Section`.
+    """
+
+    __slots__ = ("tensor_id", "unique", "nbytes", "_make", "_arrays")
+
+    def __init__(self, tensor_id: int, unique: bool, nbytes: int,
+                 make: Callable[[], tuple[np.ndarray, np.ndarray]]):
+        self.tensor_id, self.unique, self.nbytes = tensor_id, unique, nbytes  # nbytes: of the packet, held
+        self._make = make  # -> (indices, values)
+        self._arrays: Optional[tuple[np.ndarray, np.ndarray]] = None
+
+    @property
+    def indices(self) -> np.ndarray:
+        return self._widened()[0]
+
+    @property
+    def values(self) -> np.ndarray:
+        return self._widened()[1]
+
+    def _widened(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._arrays is None:  # two threads reading at once would both make the same arrays: no harm
+            self._arrays = self._make()
+        return self._arrays
+
+
+AnySection = Union[Section, LazySection]
+
 
 @dataclass(frozen=True)
 class Contribution:
@@ -30,10 +68,15 @@ class Contribution:
     step: int  # the model step the gradient was computed for
     samples: int  # its weight in the samples-weighted mean
     loss: float  # mean training loss over those samples
-    sections: tuple[Section, ...]
+    sections: tuple[AnySection, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes its sections hold as accepted (for a decoded packet: about the packet's size)."""
+        return sum(s.nbytes for s in self.sections)
 
 
-def add_sections(accumulators: Sequence[np.ndarray], sections: Sequence[Section], weight: float = 1.0) -> None:
+def add_sections(accumulators: Sequence[np.ndarray], sections: Sequence[AnySection], weight: float = 1.0) -> None:
     """Add `weight * values` of every section into the flat float32 `accumulators[tensor_id]`.
 
     The sections must have been validated (ids and bounds) by whoever built them. Dense values may be float16

@@ -29,6 +29,7 @@ class RejectReason(str, Enum):
     SAMPLES_CAP = "samples_cap"  # (400) samples above max_samples_per_packet
     STEP_MISMATCH = "step_mismatch"  # (409) outside the late window
     RATE_LIMITED = "rate_limited"  # (429) over its token bucket
+    NODE_BUSY = "node_busy"  # (503) the node held --max-pending-mib of packets not yet taken for training
     NON_FINITE = "non_finite"  # (200 earlier) the update it went into would have been non-finite and was refused
 
 

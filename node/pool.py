@@ -3,7 +3,8 @@
 Training API v1 hands a node's bridge gradient to the swarm once `min_nodes_for_update` distinct
 contributors have submitted. The pool checks each contribution's step against the late window, adds
 `samples * gradient` to the group being gathered, and when the group is complete queues it as one hand-over
-for the training thread to `take`. Nothing accepted leaves the pool except through `take`.
+for the training thread to `take`. Nothing accepted leaves the pool except through `take`. With `max_bytes`, what
+it holds is bounded: over it a contribution is refused with `PoolFull` (see `_refuses`).
 """
 from __future__ import annotations
 
@@ -25,6 +26,15 @@ class StepMismatch(Exception):
         self.server_step = server_step
 
 
+class PoolFull(Exception):
+    """The pool holds its byte bound of contributions not yet taken; nothing applied, the client may retry."""
+
+    def __init__(self, held_bytes: int, max_bytes: int):
+        super().__init__(f"the node holds {held_bytes} bytes of accepted gradient not yet applied "
+                         f"(bound {max_bytes} bytes); retry shortly")
+        self.held_bytes, self.max_bytes = held_bytes, max_bytes
+
+
 @dataclass
 class HandOver:
     """One complete group of contributions: what the training thread adds to its pending gradient."""
@@ -35,6 +45,10 @@ class HandOver:
     @property
     def samples(self) -> int:
         return sum(c.samples for c in self.contributions)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.contributions)
 
 
 @dataclass(frozen=True)
@@ -48,9 +62,11 @@ class PoolCounters:
 class ContributionPool:
     """Thread-safe: the bridge's worker threads `add`, the training thread `take`s."""
 
-    def __init__(self, min_contributors: int, current_step: Callable[[], int]):
+    def __init__(self, min_contributors: int, current_step: Callable[[], int], max_bytes: Optional[int] = None):
         self._min_contributors = min_contributors
         self._current_step = current_step
+        self._max_bytes = max_bytes  # None: no bound
+        self._bytes = 0  # held by contributions added and not yet taken (Contribution.nbytes)
         self._lock = threading.Lock()
         self._group = HandOver()  # the group being gathered
         self._ready: deque[HandOver] = deque()  # complete groups not yet taken, oldest first
@@ -64,12 +80,18 @@ class ContributionPool:
         self._on_ready.append(callback)
 
     def add(self, contribution: Contribution) -> int:
-        """Accept one validated contribution; returns the server step. Raises StepMismatch (nothing applied)."""
+        """Accept one validated contribution; returns the server step.
+
+        Raises StepMismatch or PoolFull; either way nothing was applied.
+        """
         with self._lock:
             step = self._current_step()
             if not step - LATE_WINDOW_STEPS <= contribution.step <= step:
                 raise StepMismatch(step)
             group = self._group
+            if self._refuses(contribution, group):
+                raise PoolFull(self._bytes, self._max_bytes)
+            self._bytes += contribution.nbytes
             group.contributions.append(contribution)
             group.contributors.add(contribution.contributor)
             self._accepted_packets += 1
@@ -84,10 +106,23 @@ class ContributionPool:
                 callback()
         return step
 
+    def _refuses(self, contribution: Contribution, group: HandOver) -> bool:
+        """Over the byte bound, refuse; but an empty pool takes any contribution (one larger than the bound would
+        never get in otherwise), and while no group is ready, so that all the bytes wait for the group being
+        gathered, a contributor new to that group is taken: only distinct contributors complete it, and only a
+        complete group leaves the pool. Held bytes stay below max_bytes + min_contributors packets."""
+        if self._max_bytes is None or self._bytes == 0 or self._bytes + contribution.nbytes <= self._max_bytes:
+            return False
+        return bool(self._ready) or contribution.contributor in group.contributors
+
     def take(self) -> Optional[HandOver]:
         """The oldest complete group not yet taken; None when there is none."""
         with self._lock:
-            return self._ready.popleft() if self._ready else None
+            if not self._ready:
+                return None
+            hand_over = self._ready.popleft()
+            self._bytes -= hand_over.nbytes
+            return hand_over
 
     def counters(self) -> PoolCounters:
         with self._lock:

@@ -76,7 +76,7 @@ class TrainingNode:
         self.model = build_model(model_config)
         self.tensors: tuple[TensorInfo, ...] = tensor_infos(self.model)
         self.total_params = sum(t.elements for t in self.tensors)
-        self.pool = ContributionPool(train_config.min_nodes_for_update, lambda: self.step)
+        self.pool = ContributionPool(train_config.min_nodes_for_update, lambda: self.step, config.max_pending_bytes)
         self.gradient = PendingGradient([t.elements for t in self.tensors])
         robust = RobustConfig(method=config.aggregation, norm_bound=config.norm_bound,
                               max_samples=config.max_samples_per_packet, min_cosine=config.min_cosine)

@@ -2,10 +2,11 @@
 every operation is answered by a real node to a real request of this module (and no other status is).
 
 How the statuses are checked: two real nodes (`node`: started as `make node` starts it; `other`: --no-data, a
---split-model directory, contributor tokens and a one-packet rate limit, for the answers only such a node gives) get one request per documented (operation,
-status) from the table below. Each answer is checked against its documented status and media type; then both
-nodes' /metrics are read, and the set of (method, route template, status) their middleware counted in
-dtrain_http_requests_total must equal the document's. This module needs no other test module, so it holds when
+--split-model directory, contributor tokens, a two-packet rate limit, a 1 MiB pool and two contributors per update,
+for the answers only such a node gives) get one request per documented (operation, status) from the table below.
+Each answer is checked against its documented status and media type; then both nodes' /metrics are read, and the
+set of (method, route template, status) their middleware counted in dtrain_http_requests_total must equal the
+document's. This module needs no other test module, so it holds when
 run alone; undocumented routes cannot reach a node at all: bridge.openapi refuses to start an app with one.
 """
 from __future__ import annotations
@@ -20,8 +21,8 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from bridge import openapi
-from tests.nodeproc import TINY_CONFIG, wait_until
+from bridge import dgrd, openapi
+from tests.nodeproc import REPO, TINY_CONFIG, wait_until
 from tests.test_bridge_http import Answer, _start, current_step, small_packet
 from tests.test_bridge_metrics import scrape
 
@@ -43,6 +44,9 @@ def nodes(tmp_path_factory):
     GPT2LMHeadModel(GPT2Config(vocab_size=TINY["vocab_size"], n_positions=TINY["max_seq_len"], n_embd=TINY["d_model"],
                                n_layer=1, n_head=TINY["n_heads"], tie_word_embeddings=False)).save_pretrained(split_dir)
     capture = tmp_path_factory.mktemp("openapi-capture") / "capture.sqlite"
+    # two contributors per update: a packet of one node_id waits in the 1 MiB pool, so its next one is the 503
+    train = json.loads((REPO / "static" / "train_config.json").read_text())
+    (tmp / "train.json").write_text(json.dumps({**train, "min_nodes_for_update": 2}))
     started = {}
     try:
         started["node"] = _start("openapi", ["--model-config", str(TINY_CONFIG), "--target-batch-size", "1",
@@ -52,7 +56,9 @@ def nodes(tmp_path_factory):
                                                     "--split-model", str(split_dir), "--no-capture",
                                                     "--serve-max-batch", "1", "--serve-max-n", "1",
                                                     "--serve-queue", "0", "--contributor-tokens",
-                                                    str(tmp / "tokens"), "--rate-limit", "0.001", "--rate-burst", "1"])
+                                                    str(tmp / "tokens"), "--rate-limit", "0.001", "--rate-burst", "2",
+                                                    "--train-config", str(tmp / "train.json"),
+                                                    "--max-pending-mib", "1"])
         yield started
     finally:
         for proc in started.values():
@@ -84,6 +90,11 @@ def _forward(session_id: str = "openapi") -> bytes:
                        "seq_len": 2, "hidden_dim": TINY["d_model"], "session_id": session_id}).encode()
 
 
+def _wte_packet(step: int, node_id: str) -> bytes:
+    """Tensor 0 (the token embedding) dense: 3.2 MB of FP16."""
+    return dgrd.encode(step, node_id, 1.5, 2, [(0, None, np.zeros(TINY["vocab_size"] * TINY["d_model"], np.float32))])
+
+
 def _v1(body: dict, **options) -> dict:
     return {"body": json.dumps(body).encode(), "headers": {"Content-Type": "application/json"}, **options}
 
@@ -109,8 +120,10 @@ def _requests(step: int, other_step: int) -> list[tuple[str, str, str, dict, int
         ("other", "POST", "/api/v1/train/submit", {"body": small_packet(other_step)}, 401),  # closed: no token
         ("other", "POST", "/api/v1/train/submit", {"body": small_packet(other_step), "headers": {
             "Authorization": "Bearer not-a-token"}}, 401),
-        # burst 1: the first packet of a node_id passes, the next one right after it is over the limit
-        ("other", "POST", "/api/v1/train/submit", {"body": small_packet(other_step, "eager"), "headers": BEARER}, 200),
+        # burst 2: the first packet of a node_id passes (3.2 MB into the empty 1 MiB pool, where it waits for a
+        # second contributor); the next is within the rate but over the pool's bound; the third is over the rate
+        ("other", "POST", "/api/v1/train/submit", {"body": _wte_packet(other_step, "eager"), "headers": BEARER}, 200),
+        ("other", "POST", "/api/v1/train/submit", {"body": small_packet(other_step, "eager"), "headers": BEARER}, 503),
         ("other", "POST", "/api/v1/train/submit", {"body": small_packet(other_step, "eager"), "headers": BEARER}, 429),
         ("node", "GET", "/api/v1/server/losses", {}, 200),
         ("node", "GET", "/api/v1/data/batch?batch_size=2&seq_len=8", {}, 200),
