@@ -16,6 +16,9 @@ pulled, worse ones pushed away: a baseline, as in policy-gradient methods), post
 and waits until the node has trained on every rewarded row (it reads the node's capture db, read-only) and serves
 the resulting step. Before the first round and after the last it evaluates: one greedy answer per question
 (temperature 0) and `--samples` sampled ones (fixed seeds), graded the same way.
+
+With `--lora NAME` the node trains the LoRA adapter NAME (`--feedback-lora`) instead of the shared model, the
+agent asks `model=NAME`, and each round is one update of the adapter, hot-swapped into serving.
 """
 from __future__ import annotations
 
@@ -68,10 +71,10 @@ def start_node(args, work: Path) -> tuple[subprocess.Popen, str, Path]:
     cmd = [sys.executable, "-m", "dtrain.cli", "--host", "127.0.0.1", "--port", str(port),
            "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-id", f"flywheel-{port}",
            "--model-config", str(args.model_config), "--train-config", str(train), "--no-data",
-           "--feedback-train", "--feedback-interval", "0.5", "--feedback-batch", "1024",
+           *training_flags(args), "--feedback-interval", "0.5", "--feedback-batch", "1024",
            "--capture-db", str(db), "--serve-max-n", str(args.samples), "--serve-max-batch", str(4 * args.samples),
            "--matchmaking-time", "2.5", "--request-timeout", "1.0", "--averaging-timeout", "8",
-           "--log-level", "WARNING"]
+           "--log-level", "INFO"]
     log = work / "node.log"
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 180
@@ -83,6 +86,15 @@ def start_node(args, work: Path) -> tuple[subprocess.Popen, str, Path]:
     return proc, f"http://127.0.0.1:{port}", db
 
 
+def training_flags(args) -> list[str]:
+    """The shared model's feedback training, or with --lora an adapter's (updated once per round: its target is
+    a round's answers)."""
+    if args.lora is None:
+        return ["--feedback-train"]
+    return ["--feedback-lora", args.lora, "--feedback-lora-lr", str(args.lr),
+            "--feedback-lora-target", str(len(WORDS) * args.samples)]
+
+
 def _free_port() -> int:
     import socket
 
@@ -91,27 +103,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def served_step(base_url: str) -> int:
-    with urllib.request.urlopen(base_url + "/v1/models", timeout=10) as r:
-        return int(json.loads(r.read())["data"][0]["dtrain_step"])
+def served_step(base_url: str, model: str) -> int:
+    """The version `model` serves now: the shared model's step, or an adapter's epoch."""
+    with urllib.request.urlopen(f"{base_url}/v1/models/{model}", timeout=10) as r:
+        entry = json.loads(r.read())
+    return int(entry["dtrain_adapter"]["epoch"] if "dtrain_adapter" in entry else entry["dtrain_step"])
 
 
-def wait_trained(base_url: str, db: Path, timeout_s: float) -> int:
-    """Until every rewarded row went into a contribution and the node serves the step after it; that step."""
+def wait_trained(base_url: str, model: str, db: Path, timeout_s: float) -> int:
+    """Until every rewarded row went into a contribution (or the adapter's gradients) and `model` serves the
+    version after it; that version."""
     deadline = time.monotonic() + timeout_s
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
     try:
         while time.monotonic() < deadline:
+            # rows rewarded 0 (every choice of a question alike) are marked trained without an update: only the
+            # newest row that carried a signal needs a newer served version
             pending, last = con.execute("SELECT (SELECT count(*) FROM completions WHERE reward IS NOT NULL AND "
-                                        "trained_step IS NULL), (SELECT max(trained_step) FROM completions)").fetchone()
-            if pending == 0 and last is not None:
-                step = served_step(base_url)
+                                        "trained_step IS NULL), (SELECT max(trained_step) FROM completions WHERE "
+                                        "reward != 0)").fetchone()
+            if pending == 0 and last is None:
+                return served_step(base_url, model)  # nothing to learn from yet
+            if pending == 0:
+                step = served_step(base_url, model)
                 if step > last:
                     return step
             time.sleep(0.3)
     finally:
         con.close()
-    raise SystemExit(f"the node did not train on the feedback within {timeout_s:.0f} s")
+    log = (db.parent / "node.log").read_text().splitlines()
+    raise SystemExit(f"the node did not train on the feedback within {timeout_s:.0f} s; its log ends:\n"
+                     + "\n".join(log[-60:]))
 
 
 def evaluate(client: OpenAI, model: str, samples: int, max_tokens: int) -> tuple[Score, Score, list[str]]:
@@ -156,27 +178,32 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--max-tokens", type=int, default=2, help="tokens per answer")
     p.add_argument("--lr", type=float, default=0.1, help="the node's AdamW learning rate")
     p.add_argument("--model-config", default=str(TINY))
+    p.add_argument("--lora", metavar="NAME", help="train the LoRA adapter NAME (--feedback-lora) instead of the "
+                                                 "shared model, and ask model=NAME")
     args = p.parse_args(argv)
-    model = json.loads(Path(args.model_config).read_text())["name"]
+    model = args.lora or json.loads(Path(args.model_config).read_text())["name"]
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="flywheel-") as tmp:
         proc, base_url, db = start_node(args, Path(tmp))
         try:
             client = OpenAI(base_url=base_url + "/v1", api_key="unused", timeout=60, max_retries=0)
-            print(f"node up at {base_url} (model {model}, step {served_step(base_url)}, lr {args.lr}); "
+            versions = [served_step(base_url, model)]
+            print(f"node up at {base_url} (model {model}, version {versions[0]}, lr {args.lr}); "
                   f"{len(WORDS)} questions, {args.samples} samples each, {args.rounds} rounds", flush=True)
             before = evaluate(client, model, args.samples, args.max_tokens)
             print(f"before: greedy graded {before[0].graded:.3f} exact {before[0].exact:.3f} | sampled graded "
                   f"{before[1].graded:.3f} exact {before[1].exact:.3f} | answers {before[2]}", flush=True)
             for round_ in range(args.rounds):
                 score = feedback_round(client, model, round_, args.samples, args.max_tokens)
-                step = wait_trained(base_url, db, timeout_s=120)
-                print(f"round {round_ + 1:2d}: sampled graded {score:.3f}, trained -> step {step}", flush=True)
+                step = wait_trained(base_url, model, db, timeout_s=120)
+                versions.append(step)
+                print(f"round {round_ + 1:2d}: sampled graded {score:.3f}, trained -> "
+                      f"{'epoch' if args.lora else 'step'} {step}", flush=True)
             after = evaluate(client, model, args.samples, args.max_tokens)
             print(f"after:  greedy graded {after[0].graded:.3f} exact {after[0].exact:.3f} | sampled graded "
                   f"{after[1].graded:.3f} exact {after[1].exact:.3f} | answers {after[2]}", flush=True)
             print(f"total {time.monotonic() - started:.0f} s", flush=True)
-            return {"before": before, "after": after}
+            return {"before": before, "after": after, "versions": versions}
         finally:
             proc.terminate()
             try:

@@ -126,11 +126,13 @@ class AdapterOptimizer(hivemind.Optimizer):
     def __init__(self, *, settle_s: float, **kwargs):
         self._settle_s = settle_s
         self.last_group_size = 0  # peers whose gradients the last update averaged (1: this node's own alone)
+        self.updates = 0  # updates this node made (not counting state downloads)
         super().__init__(**kwargs)
 
     def _update_global_epoch(self, grad_scaler) -> None:
         self.last_group_size = 1  # unless an all-reduce below succeeds
         super()._update_global_epoch(grad_scaler)
+        self.updates += 1
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
@@ -188,7 +190,7 @@ class AdapterTrainer:
             dht=node.swarm.dht,
             run_id=adapter_run_id(swarm.run_id, name),
             target_batch_size=config.feedback_lora_target,
-            params=self._lora_params(),
+            params=self.expert.parameters(),  # A then B, the same order on every node
             optimizer=partial(torch.optim.AdamW, lr=config.feedback_lora_lr, weight_decay=0.0),
             matchmaking_time=swarm.matchmaking_time_s,
             averaging_timeout=swarm.averaging_timeout_s,
@@ -202,9 +204,6 @@ class AdapterTrainer:
         self._publish()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dtrain-feedback-lora", daemon=True)
-
-    def _lora_params(self) -> list[torch.nn.Parameter]:
-        return [self.expert._lora_A.weight, self.expert._lora_B.weight]
 
     # ---- lifecycle
 
@@ -264,19 +263,26 @@ class AdapterTrainer:
         return used
 
     def _accumulate(self, rows) -> int:
+        opt = self.optimizer
         model = self._base_model()
         grads, loss, used = adapter_gradient(model, self.expert, [r for _, r in rows])
-        epoch = self.optimizer.local_epoch
-        self._store.mark_trained([(seq,) for seq, _ in rows], epoch)  # the adapter epoch the rows went into
+        keys, epoch = [(seq,) for seq, _ in rows], opt.local_epoch
         if used == 0:
+            self._store.mark_trained(keys, epoch)
             return 0
         with torch.no_grad():
-            for p, g in zip(self._lora_params(), grads):
+            for p, g in zip(self.expert.parameters(), grads):
                 p.grad = g.clone()
+        held, updates = opt.grad_averager.local_samples_accumulated, opt.updates
+        opt.step(batch_size=used)  # accumulates; updates (all-reduce, AdamW, averaging) once ready
+        if opt.updates == updates and opt.grad_averager.local_samples_accumulated <= held:
+            # hivemind found this node out of sync, downloaded the state and dropped the gradient: the rows wait
+            logger.info(f"adapter {self.name!r}: out of sync at epoch {epoch}; {used} rows wait for the next round")
+            return 0
+        self._store.mark_trained(keys, epoch)  # the adapter epoch the rows went into
         with self._lock:
             self._samples += used
         logger.info(f"adapter {self.name!r}: {used} rewarded completions, loss {loss:.4f}, epoch {epoch}")
-        self.optimizer.step(batch_size=used)  # accumulates; updates (all-reduce, AdamW, averaging) once ready
         return used
 
     def _base_model(self) -> torch.nn.Module:
