@@ -272,8 +272,9 @@ def test_a_hot_swapped_expert_serves_the_rows_admitted_after_it(model, tok):
     from node.split.experts import ExpertRegistry, LoraExpert
 
     d = model.config.n_embd
-    old, new = (LoraExpert.from_matrices("agent", rng.normal(scale=0.5, size=(4, d)), rng.normal(scale=0.5, size=(d, 4)),
-                                         4.0) for rng in (np.random.default_rng(1), np.random.default_rng(2)))
+    rngs = (np.random.default_rng(1), np.random.default_rng(2))
+    old, new = (LoraExpert.from_matrices("agent", r.normal(scale=0.5, size=(4, d)), r.normal(scale=0.5, size=(d, 4)),
+                                         4.0) for r in rngs)
     ids = tok.encode("To be, or not to be").ids
     old_ref, new_ref = _expert_greedy(model, ids, old, 8), _expert_greedy(model, ids, new, 8)
     assert old_ref != new_ref
