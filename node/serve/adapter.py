@@ -256,8 +256,8 @@ class AdapterTrainer:
         rows = self._store.untrained_rewarded(self._batch)
         if rows:
             used = self._accumulate(rows)
-        elif opt.join_round():
-            pass
+        else:
+            opt.join_round()  # an update the other nodes began, with what this node accumulated before
         if opt.local_epoch != self.state().epoch:
             self._publish(peers=opt.last_group_size)
         return used
