@@ -246,9 +246,14 @@ async def _events(response: web.StreamResponse, run: _Run, chat: bool, include_u
 
 def _model_entry(service: ServeService, name: str) -> dict:
     step = service.current_step()
-    return {"id": name, "object": "model", "created": 0, "owned_by": "dtrain",
-            "dtrain_step": step, "context_length": service.max_seq_len,
-            "dtrain_expert": name != service.model_name}
+    entry = {"id": name, "object": "model", "created": 0, "owned_by": "dtrain",
+             "dtrain_step": step, "context_length": service.max_seq_len,
+             "dtrain_expert": name != service.model_name}
+    adapter = service.adapter.state() if service.adapter is not None else None
+    if adapter is not None and adapter.name == name:  # the --feedback-lora adapter: which version serves now
+        entry["dtrain_adapter"] = {"epoch": adapter.epoch, "sha256": adapter.sha256, "samples": adapter.samples,
+                                   "peers": adapter.peers}
+    return entry
 
 
 async def models(request: web.Request) -> web.Response:

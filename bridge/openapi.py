@@ -312,7 +312,14 @@ def _openai_schemas() -> dict:
         "Model": {"type": "object", "required": ["id", "object"], "properties": {
             "id": string, "object": {"const": "model"}, "owned_by": string, "created": integer,
             "dtrain_step": {**integer, "description": "the model step a request sent now is served at"},
-            "context_length": integer, "dtrain_expert": {"type": "boolean"}}},
+            "context_length": integer, "dtrain_expert": {"type": "boolean"},
+            "dtrain_adapter": {"type": "object", "description": "the --feedback-lora adapter's version as served now",
+                               "required": ["epoch", "sha256", "samples", "peers"], "properties": {
+                                   "epoch": {**integer, "description": "updates of the adapter"},
+                                   "sha256": {**string, "description": "of A then B as little-endian float32"},
+                                   "samples": {**integer, "description": "rewarded rows this node put in"},
+                                   "peers": {**integer, "description": "peers whose gradients its last update "
+                                                                       "averaged (0: none yet, or downloaded)"}}}}},
     }
 
 

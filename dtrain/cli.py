@@ -39,6 +39,9 @@ async def _serve(config: NodeConfig) -> None:
     from node.trainer import TrainingNode
 
     model_config = ModelConfig.load(config.model_config_path())
+    adapter = config.serve.feedback_lora
+    if adapter is not None and adapter in (model_config.name, *(name for name, _ in config.split.experts)):
+        raise ConfigError(f"--feedback-lora {adapter!r}: the shared model or a hosted --expert has that name already")
     train_config = TrainConfig.load(config.train_config_path())
     ensure_tokenizer_files(config.static_dir)
     tokenizer = load_tokenizer(config.static_dir)

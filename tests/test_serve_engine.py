@@ -254,3 +254,51 @@ def test_a_lora_expert_by_name_adds_its_delta_to_the_final_hidden_state(model, t
             seq.append(int(_logits(model, h + expert.delta(h)).argmax()))
     assert with_expert.token_ids[0] == seq[len(ids):]
     assert bare.token_ids[0] == _greedy_reference(model, ids, 6) != with_expert.token_ids[0]
+
+
+def _expert_greedy(model, ids: list[int], expert, n_new: int) -> list[int]:
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(n_new):
+            h = model.transformer(input_ids=torch.tensor([seq])).last_hidden_state[0, -1]
+            seq.append(int(_logits(model, h + expert.delta(h)).argmax()))
+    return seq[len(ids):]
+
+
+def test_a_hot_swapped_expert_serves_the_rows_admitted_after_it(model, tok):
+    """--feedback-lora replaces an adapter by name while completions run: one in flight keeps its version."""
+    import numpy as np
+
+    from node.split.experts import ExpertRegistry, LoraExpert
+
+    d = model.config.n_embd
+    rngs = (np.random.default_rng(1), np.random.default_rng(2))
+    old, new = (LoraExpert.from_matrices("agent", r.normal(scale=0.5, size=(4, d)), r.normal(scale=0.5, size=(d, 4)),
+                                         4.0) for r in rngs)
+    ids = tok.encode("To be, or not to be").ids
+    old_ref, new_ref = _expert_greedy(model, ids, old, 8), _expert_greedy(model, ids, new, 8)
+    assert old_ref != new_ref
+    registry = ExpertRegistry([old])
+    engine = ServeEngine(FixedWeights(model), lambda ids: tok.decode(list(ids)), ServeConfig(), experts=registry,
+                         eos_token_id=50256)
+    engine.start()
+    swapped = threading.Event()
+    deltas_after_swap = []
+
+    def swap_after_first_token(event):
+        if isinstance(event, Delta) and swapped.is_set():
+            deltas_after_swap.append(event)
+        if isinstance(event, Delta) and not swapped.is_set():
+            registry.add(new)  # on the engine thread, between two decode steps of this completion
+            swapped.set()
+    try:
+        params = SamplingParams(max_tokens=8, temperature=0.0)
+        in_flight = engine.submit(Generation(tuple(ids), params, expert="agent"), swap_after_first_token)
+        assert in_flight.done.wait(60) and swapped.is_set()
+        after = engine.submit(Generation(tuple(ids), params, expert="agent"), lambda e: None)
+        assert after.done.wait(60)
+    finally:
+        engine.stop()
+    assert deltas_after_swap  # the completion went on decoding after the swap ...
+    assert in_flight.token_ids[0] == old_ref  # ... with the version it was admitted with
+    assert after.token_ids[0] == new_ref

@@ -31,7 +31,7 @@ from node.serve.config import ServeConfig
 from node.serve.sampling import SamplingParams, TokenChoice, choose, row_generator
 from node.serve.text import TextStream
 from node.serve.weights import ServedWeights
-from node.split.experts import ExpertRegistry
+from node.split.experts import ExpertRegistry, LoraExpert
 
 logger = get_logger(__name__)
 
@@ -150,6 +150,9 @@ class _Row:
     generator: Optional[torch.Generator]
     position: int  # position id of `last`: where the next decode step feeds it
     last: int = -1  # the token the next decode step feeds
+    # the LoRA expert the row was admitted with: a hot-swapped adapter (--feedback-lora) serves the rows admitted
+    # after the swap, so each completion is the work of one adapter version
+    expert: Optional[LoraExpert] = None
     choices: list[TokenChoice] = field(default_factory=list)  # every sampled token (logprobs), eos excluded
 
     @property
@@ -301,16 +304,17 @@ class ServeEngine:
 
     def _prefill(self, ticket: Ticket) -> None:
         g, served = ticket.generation, self._served
+        expert = self.experts.get(g.expert)  # resolved once: the rows keep this version
         ticket.step = served.step
         ticket.queue_ms = ticket._since_submit_ms()
         cache = DynamicCache()
         with torch.no_grad():
             out = served.model.base_model(input_ids=torch.tensor([g.prompt_ids], dtype=torch.long),
                                           past_key_values=cache, use_cache=True)
-            logits = self._logits(served.model, out.last_hidden_state[:, -1], [g.expert])  # (1, V)
+            logits = self._logits(served.model, out.last_hidden_state[:, -1], [expert])  # (1, V)
         stop = g.params.stop
         rows = [_Row(ticket, i, TextStream(self._decode, stop, g.strip_leading), row_generator(g.params.seed, i),
-                     position=len(g.prompt_ids) - 1) for i in range(g.n)]  # `last` is the prompt's end
+                     position=len(g.prompt_ids) - 1, expert=expert) for i in range(g.n)]  # `last`: the prompt's end
         if g.n > 1:
             cache.batch_repeat_interleave(g.n)
             logits = logits.expand(g.n, -1)
@@ -331,21 +335,22 @@ class ServeEngine:
                 past_key_values=self._batch.cache,  # grows by one column in place
                 use_cache=True,
             )
-            logits = self._logits(model, out.last_hidden_state[:, -1], [r.ticket.generation.expert for r in rows])
+            logits = self._logits(model, out.last_hidden_state[:, -1], [r.expert for r in rows])
         self._batch.mask = mask
         sampled = choose(logits, [r.params for r in rows], [r.generator for r in rows], self._default_generator)
         for row, choice in zip(rows, sampled):
             if not row.ticket.cancelled:
                 self._advance(row, choice)
 
-    def _logits(self, model: PreTrainedModel, hidden: torch.Tensor, experts: Sequence[Optional[str]]) -> torch.Tensor:
+    def _logits(self, model: PreTrainedModel, hidden: torch.Tensor,
+                experts: Sequence[Optional[LoraExpert]]) -> torch.Tensor:
         """(B, V) float32 logits of the final hidden states `hidden` (B, d), each row with its expert's delta."""
-        names = {e for e in experts if e}
-        if names:
+        distinct = {id(e): e for e in experts if e is not None}
+        if distinct:
             hidden = hidden.clone()
-            for name in names:
-                idx = torch.tensor([i for i, e in enumerate(experts) if e == name])
-                hidden[idx] = hidden[idx] + self.experts.get(name).delta(hidden[idx])
+            for key, expert in distinct.items():
+                idx = torch.tensor([i for i, e in enumerate(experts) if id(e) == key])
+                hidden[idx] = hidden[idx] + expert.delta(hidden[idx])
         return model.get_output_embeddings()(hidden).to(torch.float32)
 
     def _advance(self, row: _Row, choice: TokenChoice) -> None:

@@ -44,8 +44,11 @@ class FeedbackRound:
     loss: float  # L above
 
 
-def record_loss(model: torch.nn.Module, record: Record) -> Optional[torch.Tensor]:
-    """|r| * l of one record (a scalar with a graph), or None when it carries no signal."""
+def record_loss(model: torch.nn.Module, record: Record, expert=None) -> Optional[torch.Tensor]:
+    """|r| * l of one record (a scalar with a graph), or None when it carries no signal.
+
+    With `expert` (a node.split.experts.LoraExpert) the logits are the ones serving computes for `model=<expert>`:
+    its delta added to the final hidden state, then the tied LM head (node/serve/adapter.py trains it so)."""
     reward = max(-1.0, min(1.0, float(record.reward or 0.0)))
     if reward == 0.0 or not record.completion_ids:
         return None
@@ -54,7 +57,12 @@ def record_loss(model: torch.nn.Module, record: Record) -> Optional[torch.Tensor
     ids = ids[-max_len:]  # served within the context, so this cuts nothing; a guard for foreign rows
     n_completion = min(len(record.completion_ids), len(ids) - 1)
     tokens = torch.tensor([ids], dtype=torch.long)  # (1, T)
-    logits = model(input_ids=tokens).logits[0, :-1].float()  # (T-1, V): position j predicts token j+1
+    if expert is None:
+        logits = model(input_ids=tokens).logits[0, :-1].float()  # (T-1, V): position j predicts token j+1
+    else:
+        hidden = model.transformer(input_ids=tokens).last_hidden_state  # (1, T, d), after ln_f
+        hidden = hidden + expert.delta(hidden)
+        logits = model.get_output_embeddings()(hidden)[0, :-1].float()  # (T-1, V)
     targets = tokens[0, 1:]  # (T-1,)
     logp = torch.log_softmax(logits[-n_completion:], dim=-1).gather(1, targets[-n_completion:, None])[:, 0]
     if reward > 0:

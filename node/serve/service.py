@@ -71,13 +71,14 @@ class Prepared:
 
 class ServeService:
     def __init__(self, engine: ServeEngine, tokenizer: Any, model_name: str, config: ServeConfig,
-                 capture: Optional[CaptureStore] = None, trainer=None):
+                 capture: Optional[CaptureStore] = None, trainer=None, adapter=None):
         self.engine = engine
         self.tokenizer = tokenizer  # a tokenizers.Tokenizer
         self.model_name = model_name
         self.config = config
         self.capture = capture
         self.trainer = trainer  # node.serve.feedback.FeedbackTrainer with --feedback-train, else None
+        self.adapter = adapter  # node.serve.adapter.AdapterTrainer with --feedback-lora, else None
         self.vocab_size = int(engine.vocab_size)
 
     @property
@@ -95,6 +96,8 @@ class ServeService:
     def close(self) -> None:
         if self.trainer is not None:
             self.trainer.stop()
+        if self.adapter is not None:
+            self.adapter.stop()
         self.engine.stop()
         if self.capture is not None:
             self.capture.close()
@@ -185,10 +188,23 @@ def for_node(node, config: ServeConfig, tokenizer: Any, experts=None) -> ServeSe
         from node.serve.feedback import FeedbackTrainer
 
         trainer = FeedbackTrainer(node, capture, template, config.feedback_batch, config.feedback_interval_s)
+    adapter = None
+    if config.feedback_lora is not None:
+        from node.serve.adapter import AdapterTrainer
+
+        if config.feedback_lora == model_config.name:
+            raise ValueError(f"--feedback-lora {config.feedback_lora!r} is the shared model's name; name the "
+                             "adapter differently")
+        adapter = AdapterTrainer(node, capture, template, engine.experts, config)
     engine.start()
+    for background in (trainer, adapter):
+        if background is not None:
+            background.start()
+    training = "off"
     if trainer is not None:
-        trainer.start()
+        training = f"the shared model every {config.feedback_interval_s:g} s"
+    elif adapter is not None:
+        training = f"LoRA adapter {adapter.name!r} every {config.feedback_interval_s:g} s"
     logger.info(f"serving /v1 (OpenAI-compatible) on {model_config.name} and experts {engine.experts.names()}; "
-                f"capture {'to ' + str(config.capture_db) if capture else 'off'}; "
-                f"feedback training {'every %.0f s' % config.feedback_interval_s if trainer else 'off'}")
-    return ServeService(engine, tokenizer, model_config.name, config, capture, trainer)
+                f"capture {'to ' + str(config.capture_db) if capture else 'off'}; feedback training {training}")
+    return ServeService(engine, tokenizer, model_config.name, config, capture, trainer, adapter)
