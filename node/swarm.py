@@ -59,7 +59,7 @@ def make_local_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.op
     return optimizer
 
 
-class _PacedTracker(ProgressTracker):
+class PacedTracker(ProgressTracker):
     """hivemind's tracker with the swarm's own rule for when an update begins (README, "When the swarm updates").
 
     An update begins when the swarm moved to a later epoch, when the swarm's pending samples reach the target, or
@@ -74,7 +74,9 @@ class _PacedTracker(ProgressTracker):
 
     def __init__(self, *args, settle_s: float, **kwargs):
         self.settle_s = settle_s
-        self.others_present: Callable[[], bool] = lambda: False  # set by the node once it knows who is in the swarm
+        # whether other nodes announced themselves: set by the node once it knows who is in the swarm; a swarm
+        # without announcements (the adapter's, node.serve.adapter) sets it to always true
+        self.others_present: Callable[[], bool] = lambda: False
         self._seen_samples, self._grew_at = 0, time.monotonic()
         super().__init__(*args, **kwargs)
 
@@ -118,7 +120,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         super().__init__(**kwargs)
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
-        return _PacedTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
+        return PacedTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
                              client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=True,
                              settle_s=self._settle_s, **kwargs)
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import threading
-import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Optional, Sequence
@@ -30,7 +29,6 @@ import hivemind
 import numpy as np
 import torch
 from hivemind.optim.progress_tracker import ProgressTracker
-from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
 from node.serve.capture import CaptureStore, Record
@@ -38,6 +36,7 @@ from node.serve.config import ServeConfig, check_adapter_name
 from node.serve.feedback import record_loss
 from node.serve.weights import load_snapshot
 from node.split.experts import ExpertRegistry, LoraExpert
+from node.swarm import PacedTracker
 
 logger = get_logger(__name__)
 
@@ -92,36 +91,8 @@ def adapter_gradient(model: torch.nn.Module, expert: LoraExpert,
     return sums, (total / used if used else 0.0), used
 
 
-class _TargetTracker(ProgressTracker):
-    """hivemind's tracker without its extrapolated ETA (feedback arrives in bursts; an ETA from one burst made a
-    node update alone): an update begins when the adapter's swarm moved on, when its pending samples reach the
-    target and more than one peer holds them, or once they stopped growing for `settle_s`. (A peer that just
-    stepped counts its own samples into the total before it has read the other peers' records again: with the
-    target alone it began an update that saw one peer and skipped the all-reduce.)"""
-
-    def __init__(self, *args, settle_s: float, **kwargs):
-        self.settle_s = settle_s
-        self._seen_samples, self._grew_at = 0, time.monotonic()
-        super().__init__(*args, **kwargs)
-
-    @property
-    def ready_to_update_epoch(self) -> bool:
-        if self.global_epoch > self.local_progress.epoch:
-            return True
-        samples = self.global_progress.samples_accumulated
-        if samples != self._seen_samples:
-            self._seen_samples, self._grew_at = samples, time.monotonic()
-        if samples >= self.target_batch_size and self.global_progress.num_peers > 1:
-            return True
-        return samples > 0 and time.monotonic() - self._grew_at >= self.settle_s
-
-    @property
-    def estimated_next_update_time(self) -> float:
-        return get_dht_time() if self.ready_to_update_epoch else float("inf")
-
-
 class AdapterOptimizer(hivemind.Optimizer):
-    """hivemind.Optimizer with the tracker above, and a way to join a round the other peers began."""
+    """hivemind.Optimizer with the paced tracker of node.swarm, and a way to join a round the other peers began."""
 
     def __init__(self, *, settle_s: float, **kwargs):
         self._settle_s = settle_s
@@ -143,9 +114,15 @@ class AdapterOptimizer(hivemind.Optimizer):
         self.last_group_size = group
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
-        return _TargetTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
-                              client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=True,
-                              settle_s=self._settle_s, **kwargs)
+        # the shared model's rule without its ETA (feedback arrives in bursts; an ETA from one burst made a node
+        # update alone). At the target it also waits for another peer's progress: a peer that just stepped counts
+        # its own samples before it read the others' records again, and with the target alone it began an update
+        # that saw one peer and skipped the all-reduce. A lone node updates by the settle rule.
+        tracker = PacedTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
+                               client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=True,
+                               settle_s=self._settle_s, **kwargs)
+        tracker.others_present = lambda: True
+        return tracker
 
     def join_round(self) -> bool:
         """Take part in the update the swarm is ready for with the gradients accumulated so far; False if none.
