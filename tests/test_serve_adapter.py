@@ -59,6 +59,7 @@ def _greedy(node, model: str):
     return r, list(r.choices[0].logprobs.token_logprobs)
 
 
+@pytest.mark.swarm
 def test_two_nodes_average_the_adapter_and_serve_it_hot(pair):
     a, b = pair
     initial = LoraExpert.create(ADAPTER, 32, r=8, alpha=16.0, seed=adapter_seed(ADAPTER))
@@ -106,6 +107,7 @@ def test_two_nodes_average_the_adapter_and_serve_it_hot(pair):
         assert _entry(node, MODEL)["dtrain_step"] == base_step
 
 
+@pytest.mark.swarm
 def test_bad_adapter_requests_get_openai_errors(pair):
     client = _client(pair[0])
     for name in ("agent2", "agent/../x", ""):
