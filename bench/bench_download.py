@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 import aiohttp  # noqa: E402
 from aiohttp import web  # noqa: E402
 
-from tests.nodeproc import NodeProcess, free_port, new_run_id, wait_until  # noqa: E402
+from tests.nodeproc import NodeProcess, free_port, new_run_id, wait_cpu_idle, wait_until  # noqa: E402
 
 CHUNK_BYTES = 1 << 20
 
@@ -94,6 +94,7 @@ def main() -> None:
     static_proc = None
     try:
         ready_s = time.perf_counter() - started
+        print(f"node idle {wait_cpu_idle(node.proc.pid):.0f}s after it was ready", file=sys.stderr)
         manifest = node.get_json("/api/v1/model/manifest", timeout_s=60)["tensors"]
         urls = [f"{node.url}/api/v1/model/tensor/{t['id']}?format=f16" for t in manifest]
         expected = sum(t["bytes_f16"] for t in manifest)

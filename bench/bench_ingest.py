@@ -187,7 +187,7 @@ def http_main(args, cases) -> None:
     import subprocess
     import tempfile
     from pathlib import Path
-    from tests.nodeproc import NodeProcess, free_port, new_run_id, wait_until
+    from tests.nodeproc import NodeProcess, free_port, new_run_id, wait_cpu_idle, wait_until
 
     repo = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as d:
@@ -204,6 +204,7 @@ def http_main(args, cases) -> None:
         ceiling = subprocess.Popen([sys.executable, __file__, "--serve-ceiling", str(port)], cwd=repo)
         try:
             node.wait_ready(args.start_timeout)
+            print(f"node idle {wait_cpu_idle(node.proc.pid):.0f}s after it was ready", file=sys.stderr)
             step = node.get_json("/api/v1/model/info")["step"]
             wait_until(lambda: _up(f"http://127.0.0.1:{port}/"), 30, "the ceiling server")
             rows = []
