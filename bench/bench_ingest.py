@@ -142,12 +142,16 @@ def pick(ids, size_of, budget):
 # --http: a real node next to the ceiling
 
 
-def serve_ceiling(port: int) -> None:
-    """The ceiling: read the whole body, answer the node's JSON. Nothing else."""
+def serve_ceiling(port: int, keep: bool = False) -> None:
+    """The ceiling: read the whole body, answer the node's JSON. Nothing else; with `keep`, it also keeps every body,
+    as the node's pool keeps every packet in this run (so both servers write each packet to fresh memory)."""
     from aiohttp import web
+    kept = []
 
     async def submit(request):
-        await request.read()
+        body = await request.read()
+        if keep:
+            kept.append(body)
         return web.json_response({"ok": True, "message": "ok", "server_step": 1})
     app = web.Application(client_max_size=1 << 30)
     app.router.add_post("/api/v1/train/submit", submit)
@@ -201,7 +205,8 @@ def http_main(args, cases) -> None:
                                      "--train-config", str(Path(d) / "train.json"),
                                      "--target-batch-size", "1", *NODE_ARGS], new_run_id())
         port = free_port()
-        ceiling = subprocess.Popen([sys.executable, __file__, "--serve-ceiling", str(port)], cwd=repo)
+        ceiling = subprocess.Popen([sys.executable, __file__, "--serve-ceiling", str(port),
+                                    *(["--ceiling-keeps-bodies"] if args.ceiling_keeps_bodies else [])], cwd=repo)
         try:
             node.wait_ready(args.start_timeout)
             print(f"node idle {wait_cpu_idle(node.proc.pid):.0f}s after it was ready", file=sys.stderr)
@@ -283,10 +288,12 @@ def main():
     ap.add_argument("--http", action="store_true", help="POST to a real node next to the ceiling server")
     ap.add_argument("--concurrent", type=int, default=20, help="--http: uploads in the memory burst")
     ap.add_argument("--start-timeout", type=float, default=180.0, help="--http: seconds for the node to start")
+    ap.add_argument("--ceiling-keeps-bodies", action="store_true",
+                    help="--http: the ceiling keeps every body too, as the node's pool does in this run")
     ap.add_argument("--serve-ceiling", type=int, help=argparse.SUPPRESS)  # internal: run the ceiling server
     args = ap.parse_args()
     if args.serve_ceiling:
-        serve_ceiling(args.serve_ceiling)
+        serve_ceiling(args.serve_ceiling, keep=args.ceiling_keeps_bodies)
         return
 
     named = gpt2_small_elements()
