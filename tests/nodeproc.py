@@ -94,21 +94,20 @@ class NodeProcess:
                  env: Optional[dict] = None):
         self.name = name
         self.port = free_port()
-        cmd = [sys.executable, "-m", "dtrain.cli", "--host", "127.0.0.1", "--port", str(self.port),
-               "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-id", run_id,
-               "--matchmaking-time", "2.5", "--request-timeout", "1.0", "--averaging-timeout", "8"]
+        argv = ["--host", "127.0.0.1", "--port", str(self.port), "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+                "--run-id", run_id, "--matchmaking-time", "2.5", "--request-timeout", "1.0", "--averaging-timeout", "8"]
         if initial_peers:
-            cmd += ["--initial-peers", *initial_peers]
-        cmd += list(args)
+            argv += ["--initial-peers", *initial_peers]
+        argv += list(args)
         self.lines: list[str] = []
         self._lock = threading.Lock()
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         self.log_path = LOG_DIR / f"{run_id}-{name}.log"
         if env:  # an environment of its own: a cold start
-            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen([sys.executable, "-m", "dtrain.cli", *argv], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                          text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
         else:
-            self.proc = _WARM.start(cmd[3:])  # the arguments after `python -m dtrain.cli`
+            self.proc = _WARM.start(argv)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 

@@ -342,12 +342,7 @@ def test_dashboard_draws_the_loss_curve(page, tiny_node):
     page.wait_for_function(f"document.querySelector('#loss-summary').textContent.includes('{len(losses)} update')",
                            timeout=30_000)
     # the curve is drawn in the accent colour: count its pixels on the canvas
-    curve = page.evaluate("""() => {
-        const c = document.querySelector('#loss-canvas'), d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
-        let n = 0;
-        for (let i = 0; i < d.length; i += 4) if (Math.abs(d[i] - 0x2f) < 40 && Math.abs(d[i + 1] - 0x6f) < 40 && d[i + 2] > 0xb0) n++;
-        return n;
-    }""")
+    curve = browser.curve_pixels(page, "#loss-canvas")
     assert curve > 100, curve
     browser.ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(browser.ARTIFACTS / "dashboard.png"), full_page=True)

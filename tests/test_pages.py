@@ -99,12 +99,7 @@ def test_contribute_shows_its_loss_curve_rates_and_backend(page, site_node):
     steps = int(page.inner_text("#steps"))
     assert page.get_attribute("#my-loss-canvas", "data-points") == str(steps)
     assert page.inner_text("#my-loss-summary").startswith(f"· {steps} contributions, latest ")
-    curve = page.evaluate("""() => {
-        const c = document.querySelector('#my-loss-canvas'), d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
-        let n = 0;
-        for (let i = 0; i < d.length; i += 4) if (Math.abs(d[i] - 0x2f) < 40 && Math.abs(d[i + 1] - 0x6f) < 40 && d[i + 2] > 0xb0) n++;
-        return n;
-    }""")
+    curve = browser.curve_pixels(page, "#my-loss-canvas")
     assert curve > 100, curve
     # every packet was one update of this lone node: its loss history holds the page's last loss
     shown = float(page.inner_text("#loss"))

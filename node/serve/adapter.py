@@ -33,7 +33,7 @@ from hivemind.utils.logging import get_logger
 
 from node.serve.capture import CaptureStore, Record
 from node.serve.config import ServeConfig, check_adapter_name
-from node.serve.feedback import record_loss
+from node.serve.feedback import record_loss, run_rounds
 from node.serve.weights import load_snapshot
 from node.split.experts import ExpertRegistry, LoraExpert
 from node.swarm import PacedTracker
@@ -214,11 +214,7 @@ class AdapterTrainer:
     # ---- training
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            try:
-                self.run_once()
-            except Exception as e:  # log and go on: the next round may succeed
-                logger.exception(f"adapter {self.name!r}: feedback round failed: {e!r}")
+        run_rounds(self.run_once, self._stop, self._interval_s, f"adapter {self.name!r}: feedback")
 
     def run_once(self) -> Optional[int]:
         """One round: catch up, accumulate the unused rewarded rows, join an update that is ready.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import threading
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -92,6 +92,16 @@ def feedback_gradient(model: torch.nn.Module, records: Sequence[Record]) -> tupl
     return sums, (total / used if used else 0.0), used
 
 
+def run_rounds(run_once: Callable[[], object], stop: threading.Event, interval_s: float, what: str) -> None:
+    """A feedback trainer's thread: one round every `interval_s` until `stop`; a failed round is logged, the next
+    may succeed."""
+    while not stop.wait(interval_s):
+        try:
+            run_once()
+        except Exception as e:
+            logger.exception(f"{what} round failed: {e!r}")
+
+
 class FeedbackTrainer:
     """Turns rewarded rows of the capture store into contributions of `node`, on its own thread."""
 
@@ -113,11 +123,7 @@ class FeedbackTrainer:
             self._thread.join(timeout_s)
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            try:
-                self.run_once()
-            except Exception as e:  # log and go on: the next round may succeed
-                logger.exception(f"feedback round failed: {e!r}")
+        run_rounds(self.run_once, self._stop, self._interval_s, "feedback")
 
     def run_once(self) -> Optional[FeedbackRound]:
         """One round: a contribution from the oldest unused rewarded rows; None when there were none."""
