@@ -33,7 +33,7 @@ from hivemind.utils.logging import get_logger
 
 from node.serve.capture import CaptureStore, Record
 from node.serve.config import ServeConfig, check_adapter_name
-from node.serve.feedback import record_loss, run_rounds
+from node.serve.feedback import mean_gradient, record_loss, run_rounds
 from node.serve.weights import load_snapshot
 from node.split.experts import ExpertRegistry, LoraExpert
 from node.swarm import PacedTracker
@@ -74,21 +74,7 @@ class AdapterState:
 def adapter_gradient(model: torch.nn.Module, expert: LoraExpert,
                      records: Sequence[Record]) -> tuple[list[torch.Tensor], float, int]:
     """(dL/d(A, B) averaged over the records with signal, L, N) with `model` frozen; N may be 0."""
-    params = expert.parameters()
-    sums = [torch.zeros_like(p) for p in params]
-    total, used = 0.0, 0
-    for record in records:
-        loss = record_loss(model, record, expert=expert)
-        if loss is None:
-            continue
-        for acc, g in zip(sums, torch.autograd.grad(loss, params)):
-            acc += g
-        total += float(loss.detach())
-        used += 1
-    if used:
-        for acc in sums:
-            acc /= used
-    return sums, (total / used if used else 0.0), used
+    return mean_gradient(expert.parameters(), records, lambda r: record_loss(model, r, expert=expert))
 
 
 class AdapterOptimizer(hivemind.Optimizer):

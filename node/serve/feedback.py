@@ -72,24 +72,30 @@ def record_loss(model: torch.nn.Module, record: Record, expert=None) -> Optional
     return abs(reward) * per_token.mean()
 
 
-def feedback_gradient(model: torch.nn.Module, records: Sequence[Record]) -> tuple[list[np.ndarray], float, int]:
-    """(dL/dθ as flat float32 arrays in parameter order, L, N) for the records with signal; N may be 0."""
-    params = list(model.parameters())
-    sums = [np.zeros(p.numel(), np.float32) for p in params]
+def mean_gradient(params: Sequence[torch.Tensor], records: Sequence[Record],
+                  loss_of: Callable[[Record], Optional[torch.Tensor]]) -> tuple[list[torch.Tensor], float, int]:
+    """(dL/d`params` averaged over the records with signal, L, N); N may be 0. One record at a time: logits of a
+    whole batch would not fit memory."""
+    sums = [torch.zeros_like(p) for p in params]
     total, used = 0.0, 0
     for record in records:
-        loss = record_loss(model, record)  # one record at a time: logits of a whole batch would not fit memory
+        loss = loss_of(record)
         if loss is None:
             continue
-        grads = torch.autograd.grad(loss, params)
-        for acc, g in zip(sums, grads):
-            acc += g.detach().reshape(-1).numpy()
+        for acc, g in zip(sums, torch.autograd.grad(loss, params)):
+            acc += g
         total += float(loss.detach())
         used += 1
     if used:
         for acc in sums:
             acc /= used
     return sums, (total / used if used else 0.0), used
+
+
+def feedback_gradient(model: torch.nn.Module, records: Sequence[Record]) -> tuple[list[np.ndarray], float, int]:
+    """(dL/dθ as flat float32 arrays in parameter order, L, N) for the records with signal; N may be 0."""
+    grads, loss, used = mean_gradient(list(model.parameters()), records, lambda r: record_loss(model, r))
+    return [g.reshape(-1).numpy() for g in grads], loss, used
 
 
 def run_rounds(run_once: Callable[[], object], stop: threading.Event, interval_s: float, what: str) -> None:
