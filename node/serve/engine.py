@@ -299,6 +299,11 @@ class ServeEngine:
                 ticket = self._waiting.popleft()
                 if ticket.cancelled:
                     continue
+                if self._rows and self._weights.step() != self._served.step:
+                    # a step published before this ticket was taken (the check above may have read the old one):
+                    # it waits for the running rows to drain and gets the new step's weights
+                    self._waiting.appendleft(ticket)
+                    return
                 self._running_rows += ticket.generation.n
             self._prefill(ticket)
 
