@@ -1,9 +1,10 @@
 """The node's hold on the hivemind swarm: its DHT and the collaborative optimizer around the model's AdamW.
 
-`Swarm` owns both and their shutdown. `SwarmOptimizer` is hivemind.Optimizer with three changes the node
-relies on: it applies the node's exact gradient whenever the swarm's average is unavailable, it reports each
-update's outcome (which peers' gradients went into it), and an update also begins when the swarm's pending
-samples stop growing, so a swarm keeps its pace when a peer leaves whatever target it was started with.
+`Swarm` owns both and their shutdown. `SwarmOptimizer` is hivemind.Optimizer with four changes the node
+relies on: a gradient round is applied whole or not at all (node.commit), it applies the node's exact gradient
+whenever the swarm's average is unavailable, it reports each update's outcome (which peers' gradients went into it),
+and an update also begins when the swarm's pending samples stop growing, so a swarm keeps its pace when a peer leaves
+whatever target it was started with.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
+from node.commit import AbortedRound, CommittingGradientAverager
 from node.config import SwarmConfig, TrainConfig
 
 logger = get_logger(__name__)
@@ -98,6 +100,10 @@ class PacedTracker(ProgressTracker):
         return get_dht_time() if self.ready_to_update_epoch else float("inf")
 
 
+class RoundAbortedError(Exception):
+    """The gradient round's commit step found a member whose all-reduce was incomplete (node.commit)."""
+
+
 class SwarmOptimizer(hivemind.Optimizer):
     """hivemind.Optimizer that applies this peer's exact gradient whenever the swarm's average is unavailable and
     reports the outcome of every update (`last_round`).
@@ -154,7 +160,12 @@ class SwarmOptimizer(hivemind.Optimizer):
             self.grad_averager.notify_used_averaged_gradients()
             return
         try:
-            group_info = maybe_step_control.result(self.averaging_timeout)
+            # the averager decides within its deadline (matchmaking) plus one all-reduce with its commit step: waiting
+            # longer than that, this peer never uses its own gradient while the others apply a round it committed
+            bound = max(0.0, maybe_step_control.deadline - get_dht_time()) + self.allreduce_timeout + 1.0
+            group_info = maybe_step_control.result(bound)
+            if isinstance(group_info, AbortedRound):
+                raise RoundAbortedError(group_info.reason)
             self._load_averaged_gradients_into_optimizer_()
         except BaseException as e:
             logger.info(f"Gradient averaging failed ({e!r}): this update uses this peer's own gradient")
@@ -231,6 +242,7 @@ class Swarm:
                 load_state_timeout=config.load_state_timeout_s,
                 delay_state_averaging=False,
                 reuse_grad_buffers=True,  # the node writes the exact samples-weighted gradient into .grad itself
+                grad_averager_factory=CommittingGradientAverager,  # a gradient round is applied whole or not at all
                 average_state_every=1,
                 average_opt_statistics=("exp_avg", "exp_avg_sq"),
                 averager_opts=dict(request_timeout=config.request_timeout_s),

@@ -1,0 +1,133 @@
+"""All-or-nothing gradient rounds: a round's average is applied only if every member's all-reduce was complete.
+
+hivemind's all-reduce degrades instead of failing. A reducer that stops answering leaves its parts of the average at
+each peer's own values (`register_failed_reducer`), and a sender that stops is left out of the parts it had not sent
+yet (`on_sender_failed`); every peer still gets a result. So when a member fails in the middle of a round, the
+others' averages hold some parts of its gradient and not others, and its own round failed, so it carries its whole
+gradient: those parts would be applied twice. And two survivors that kept their own values for a failed reducer's
+parts apply different updates.
+
+The commit step after the all-reduce makes a round all or nothing. Every member publishes in the DHT whether its
+all-reduce was complete (every part averaged over every member), then waits for the others' records. A member
+applies the average only when every member of the group said complete; otherwise the round is aborted on every
+member: each one makes its update with its own gradient, exactly as after a failed round, and the node's agreement
+then serves one of those updates and carries the others' gradients (README, "A step is served only once it is the
+swarm's").
+
+Members decide on the same records, and the deadlines make them see the same records: a member says complete only
+within `publish_by` seconds of its all-reduce's start, and waits for the others until `decide_by`. A record said in
+time reaches every member before its deadline unless the DHT takes longer than `decide_by - publish_by` (at least
+one second) to show a stored value, or the members began the all-reduce that far apart.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Optional
+
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.optim.grad_averager import GradientAverager
+from hivemind.utils import get_dht_time
+from hivemind.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+MAX_COMMIT_WAIT_S = 5.0  # the window between the last moment to say "complete" and the decision
+DECIDE_MARGIN_S = 0.5  # the decision comes this long before hivemind's own bound on the round
+POLL_S = 0.02  # how often a member reads the others' records while it waits
+RECORD_TTL_S = 60.0  # how long the records stay in the DHT
+
+
+@dataclass(frozen=True)
+class AbortedRound:
+    """What a gradient round returns instead of its gathered data when its average must not be applied."""
+
+    reason: str
+
+
+def commit_window(allreduce_timeout: float) -> tuple[float, float]:
+    """(publish_by, decide_by): seconds after a member's all-reduce began."""
+    decide_by = allreduce_timeout - DECIDE_MARGIN_S
+    wait = max(1.0, min(MAX_COMMIT_WAIT_S, allreduce_timeout / 4))
+    return decide_by - wait, decide_by
+
+
+def incompleteness(runner: AllReduceRunner) -> Optional[str]:
+    """Why this member's result is not the average over every member, or None when it is."""
+    container, reducer = runner.tensor_part_container, runner.tensor_part_reducer
+    if container.failed_size:
+        return f"{container.failed_size} of {container.total_size} values came back from no reducer"
+    left_out = [i for i, after in enumerate(reducer.sender_failed_after) if after < reducer.num_parts]
+    if left_out:
+        return f"senders {left_out} were left out of some parts this peer reduced"
+    return None
+
+
+def record_key(prefix: str, group_id: bytes) -> str:
+    return f"{prefix}_commit_{group_id.hex()}"
+
+
+class CommittingGradientAverager(GradientAverager):
+    """hivemind's GradientAverager with the commit step: its round returns the gathered data when every member's
+    all-reduce was complete, else an `AbortedRound` (never an exception, so hivemind does not retry a round with
+    tensors a failed attempt has half averaged)."""
+
+    def __init__(self, *args, **kwargs):
+        self._incomplete: dict[bytes, str] = {}  # group id -> why this member's all-reduce was not complete
+        super().__init__(*args, **kwargs)
+
+    async def _run_allreduce_inplace_(self, tensors, group_info: GroupInfo, group_id: Optional[bytes] = None,
+                                      **kwargs):
+        group_id = group_info.group_id if group_id is None else group_id
+        await super()._run_allreduce_inplace_(tensors, group_info, group_id=group_id, **kwargs)
+        reason = incompleteness(self._running_groups[group_id].result())
+        if reason is None:
+            self._incomplete.pop(group_id, None)
+        else:
+            self._incomplete[group_id] = reason
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
+        began = get_dht_time()
+        publish_by, decide_by = commit_window(self._allreduce_timeout)
+        group_id = group_info.group_id
+        self._incomplete[group_id] = "the all-reduce did not finish"
+        try:
+            gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        except Exception as e:  # hivemind wraps every failure of the round in a MatchmakingException
+            gathered, self._incomplete[group_id] = None, f"the all-reduce failed ({e})"
+        reason = self._incomplete.pop(group_id, None)
+        if reason is None and get_dht_time() > began + publish_by:
+            reason = f"the all-reduce ended after the commit window ({publish_by:.1f}s)"
+        key = record_key(self.prefix, group_id)
+        await self._say(key, complete=reason is None)
+        if reason is None:
+            reason = await self._others_incomplete(key, group_info, deadline=began + decide_by)
+        if reason is not None:
+            logger.info(f"Gradient round {group_id.hex()[:8]} aborted: {reason}")
+            return AbortedRound(reason)
+        return gathered
+
+    async def _say(self, key: str, complete: bool) -> None:
+        try:
+            await self.dht.store(key, subkey=self.peer_id.to_base58(), value=complete,
+                                 expiration_time=get_dht_time() + RECORD_TTL_S, return_future=True)
+        except Exception as e:  # the others then decide without this record: they abort
+            logger.warning(f"Could not publish the outcome of a gradient round: {e!r}")
+
+    async def _others_incomplete(self, key: str, group_info: GroupInfo, deadline: float) -> Optional[str]:
+        """None once every member said complete; the reason to abort when one did not, or not in time."""
+        members = {peer.to_base58() for peer in group_info.peer_ids}
+        while True:
+            found = await self.dht.get(key, latest=True, return_future=True)
+            said = {subkey: item.value for subkey, item in found.value.items()} if found and isinstance(
+                found.value, dict) else {}
+            failed = sorted(peer for peer in members if said.get(peer) is False)
+            if failed:
+                return f"the all-reduce of {', '.join(failed)} was incomplete"
+            missing = members - said.keys()
+            if not missing:
+                return None
+            if get_dht_time() >= deadline:
+                return f"no outcome from {', '.join(sorted(missing))} in time"
+            await asyncio.sleep(POLL_S)
