@@ -4,6 +4,7 @@ constructs no node service."""
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -98,6 +99,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"dtrain-node: {e}", file=sys.stderr)
         sys.exit(2)
     use_hivemind_log_handler("in_root_logger")
+    # `kill -USR1 <pid>` writes every thread's stack to stderr and the node goes on: how a node that hangs is read
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     logging.getLogger().setLevel(config.log_level.upper())
     try:
         run(config)

@@ -137,8 +137,19 @@ class NodeProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
             return "Join it from another machine with" in self.output()
-        wait_until(ready, timeout_s, f"{self.name} to be ready")
+        try:
+            wait_until(ready, timeout_s, f"{self.name} to be ready")
+        except TimeoutError:
+            self.dump_stacks()
+            raise TimeoutError(f"{self.name} was not ready after {timeout_s:.0f}s; its log, with the stacks of its "
+                               f"threads at that moment:\n{self.output()[-12000:]}") from None
         return [m.group(1) for line in self.output().splitlines() if (m := MADDR_RE.match(line))]
+
+    def dump_stacks(self, settle_s: float = 1.0) -> None:
+        """Have the node write every thread's stack into its log (dtrain.cli registers SIGUSR1 with faulthandler)."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGUSR1)
+            time.sleep(settle_s)
 
     def digests(self) -> dict[int, str]:
         """step -> params sha256, from the node's log of every published snapshot."""
@@ -189,12 +200,17 @@ class NodeProcess:
 def start_swarm(n: int, args: Sequence[str], run_id: str, ready_timeout_s: float = 90.0) -> list[NodeProcess]:
     """A first node on its own, then n - 1 nodes joining it at its printed multiaddrs; returns once all serve."""
     nodes = [NodeProcess("A", args, run_id)]
-    maddrs = nodes[0].wait_ready(ready_timeout_s)
-    assert maddrs, nodes[0].output()
-    for name in "BCDE"[: n - 1]:
-        nodes.append(NodeProcess(name, args, run_id, initial_peers=maddrs))
-    for node in nodes[1:]:
-        node.wait_ready(ready_timeout_s)
+    try:
+        maddrs = nodes[0].wait_ready(ready_timeout_s)
+        assert maddrs, nodes[0].output()
+        for name in "BCDE"[: n - 1]:
+            nodes.append(NodeProcess(name, args, run_id, initial_peers=maddrs))
+        for node in nodes[1:]:
+            node.wait_ready(ready_timeout_s)
+    except BaseException:  # the caller gets no nodes to stop: none may outlive it
+        for node in nodes:
+            node.kill()
+        raise
     return nodes
 
 
