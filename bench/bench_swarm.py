@@ -76,9 +76,13 @@ def _times_of_steps(node: NodeProcess) -> dict[int, float]:
 
 
 def _seconds_per_update(timelines: list[dict[int, float]], first: int, epochs: int) -> float:
-    start = max(t[first] for t in timelines)
-    end = max(t[first + epochs] for t in timelines)
-    return (end - start) / epochs
+    """Over the steps every peer logged from `first` on, about `epochs` of them: a joiner that downloaded a step
+    never logged making it."""
+    common = sorted(set.intersection(*(set(t) for t in timelines)))
+    begin = min(s for s in common if s >= first)
+    end = max(s for s in common if s <= begin + epochs)
+    assert end > begin, f"no two steps from {first} on that every peer logged: {common}"
+    return (max(t[end] for t in timelines) - max(t[begin] for t in timelines)) / (end - begin)
 
 
 def bare_update_s(epochs: int) -> float:
