@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # noqa: E402
 from bridge import dgrd  # noqa: E402
 
-NODE_ARGS = ("--max-pending-mib", "0")  # --http: no byte bound on the node's pool (see http_main)
+NODE_ARGS = ("--max-pending-mib", "0", "--rate-limit", "0")  # --http: no pool byte bound (see http_main), no rate limit
 
 
 def gpt2_small_elements(vocab=50257, d_model=768, n_layer=12, d_ff=3072, n_pos=1024):
@@ -222,7 +222,7 @@ def http_main(args, cases) -> None:
                         best[u] = min(best[u], min(asyncio.run(post_all(u, [data] * 2))))
                 mb = len(data) / 1e6
                 rows.append((mode, mb, mb / best[urls[0]], mb / best[urls[1]]))
-            burst = _restep(cases[0][1], step)
+            burst_mode, burst = cases[0][0].split()[0], _restep(cases[0][1], step)
             before_kib = vm_kib(node.proc.pid, "VmRSS")
             reset = _reset_peak(node.proc.pid)  # VmHWM := VmRSS, so the peak read below is the burst's own
             hwm_before = vm_kib(node.proc.pid, "VmHWM")
@@ -243,7 +243,7 @@ def http_main(args, cases) -> None:
     mb = len(burst) / 1e6
     base_kib = before_kib if reset else hwm_before
     print(f"\nNode memory: RSS {before_kib / 1024:,.0f} MiB before a burst of {args.concurrent} concurrent "
-          f"{mb:.1f} MB uploads (Mode 1), peak (VmHWM) {hwm_after / 1024:,.0f} MiB during it: "
+          f"{mb:.1f} MB uploads (Mode {burst_mode}), peak (VmHWM) {hwm_after / 1024:,.0f} MiB during it: "
           f"+{(hwm_after - base_kib) / 1024:,.0f} MiB for {args.concurrent * mb / 1.048576:,.0f} MiB of packets"
           f" (accepted packets stay in the pool in this run)."
           + ("" if reset else " VmHWM could not be reset: the growth is of the peak before the burst."))
@@ -290,6 +290,7 @@ def main():
     ap.add_argument("--start-timeout", type=float, default=180.0, help="--http: seconds for the node to start")
     ap.add_argument("--ceiling-keeps-bodies", action="store_true",
                     help="--http: the ceiling keeps every body too, as the node's pool does in this run")
+    ap.add_argument("--modes", default="123", help="the modes to measure, e.g. 2 or 123 (default)")
     ap.add_argument("--serve-ceiling", type=int, help=argparse.SUPPRESS)  # internal: run the ceiling server
     args = ap.parse_args()
     if args.serve_ceiling:
@@ -315,7 +316,7 @@ def main():
     if args.http:  # the Mode 3 row: every transformer block, dense
         dense_ids = [t for t, (name, _) in enumerate(named) if ".h." in name]
     dense = [(tid, None, rng.standard_normal(elements[tid], dtype=np.float32) * np.float32(1e-2))
-             for tid in dense_ids]
+             for tid in dense_ids if "3" in args.modes]
     gen_s = time.perf_counter() - t0
 
     nnz_of = lambda t: sparse[t][1].size  # noqa: E731
@@ -338,6 +339,7 @@ def main():
          span(slice_dense)),
     ]
 
+    cases = [c for c in cases if c[0][0] in args.modes]
     if args.http:
         http_main(args, [(mode.split()[0] + " " + mode.split(" ", 1)[1], data) for mode, data, _, _ in cases])
         return
