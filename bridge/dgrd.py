@@ -27,7 +27,9 @@ Mode 2 indices: the first is ``skip[0]``, each next is ``previous + skip + 1``, 
 ``decode`` validates the whole packet before it returns, so a caller that decodes and then
 ``accumulate``s applies a packet entirely or not at all. It validates with reductions over the packet's own
 bytes and allocates nothing per entry: sparse sections come back as ``LazySection``s that widen their indices
-to int64 and their values to float32 when first read (on the node's training thread), once.
+to int64 and their values to float32 when first read (on the node's training thread), once. It reads the section
+headers first, then checks every Mode 2 section's entries in one gathered pass (``_mode2_valid``); only a bad packet
+is read again section by section, so that it fails with the problem a reading in packet order meets first.
 """
 
 from __future__ import annotations
