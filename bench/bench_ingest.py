@@ -191,7 +191,7 @@ def vm_kib(pid: int, field: str) -> int:
     raise KeyError(field)
 
 
-def http_main(args, cases) -> None:
+def http_main(args, cases, warm_up: list[bytes]) -> None:
     import asyncio
     import json
     import subprocess
@@ -218,6 +218,12 @@ def http_main(args, cases) -> None:
             print(f"node idle {wait_cpu_idle(node.proc.pid):.0f}s after it was ready", file=sys.stderr)
             step = node.get_json("/api/v1/model/info")["step"]
             wait_until(lambda: _up(f"http://127.0.0.1:{port}/"), 30, "the ceiling server")
+            # Warm-up, untimed: each server takes the sparse packets of a full run once (Mode 1's 9.9 MB first) before
+            # any is timed, so that a --modes 2 run times them in the state a full run does. A fresh ceiling's
+            # request.read() spent 12.5-13 ms of CPU per 4 MB packet, and 4.5-5.5 ms once 9.9 MB bodies had passed
+            # through it (glibc's malloc serves a body from fresh mmap'd pages until a larger one raised its threshold)
+            for u in (f"{node.url}/api/v1/train/submit", f"http://127.0.0.1:{port}/api/v1/train/submit"):
+                asyncio.run(post_all(u, [_restep(p, step) for p in warm_up]))
             rows = []
             for mode, data in cases:
                 data = _restep(data, step)
@@ -356,9 +362,10 @@ def main():
          span(slice_dense)),
     ]
 
+    warm_up = [data for _, data, _, _ in cases[:2]]  # Mode 1, Mode 2
     cases = [c for c in cases if c[0][0] in args.modes]
     if args.http:
-        http_main(args, [(mode.split()[0] + " " + mode.split(" ", 1)[1], data) for mode, data, _, _ in cases])
+        http_main(args, [(mode.split()[0] + " " + mode.split(" ", 1)[1], data) for mode, data, _, _ in cases], warm_up)
         return
 
     accumulators = [np.ones(n, np.float32) for n in elements]  # touched: no page faults timed
