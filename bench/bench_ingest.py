@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # noqa: E402
 from bridge import dgrd  # noqa: E402
 
-NODE_ARGS = ("--max-pending-mib", "0")  # --http: no byte bound on the node's pool (see http_main)
+NODE_ARGS = ("--max-pending-mib", "0", "--rate-limit", "0")  # --http: no pool byte bound (see http_main), no rate limit
 
 
 def gpt2_small_elements(vocab=50257, d_model=768, n_layer=12, d_ff=3072, n_pos=1024):
@@ -178,6 +178,12 @@ async def post_all(url: str, packets: list[bytes], concurrent: bool = False) -> 
         return [await one(p) for p in packets]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, every thread (/proc/PID/stat fields 14 and 15)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def vm_kib(pid: int, field: str) -> int:
     for line in open(f"/proc/{pid}/status"):
         if line.startswith(field + ":"):
@@ -185,7 +191,7 @@ def vm_kib(pid: int, field: str) -> int:
     raise KeyError(field)
 
 
-def http_main(args, cases) -> None:
+def http_main(args, cases, warm_up: list[bytes]) -> None:
     import asyncio
     import json
     import subprocess
@@ -212,17 +218,27 @@ def http_main(args, cases) -> None:
             print(f"node idle {wait_cpu_idle(node.proc.pid):.0f}s after it was ready", file=sys.stderr)
             step = node.get_json("/api/v1/model/info")["step"]
             wait_until(lambda: _up(f"http://127.0.0.1:{port}/"), 30, "the ceiling server")
+            # Warm-up, untimed: each server takes the sparse packets of a full run once (Mode 1's 9.9 MB first) before
+            # any is timed, so that a --modes 2 run times them in the state a full run does. A fresh ceiling's
+            # request.read() spent 12.5-13 ms of CPU per 4 MB packet, and 4.5-5.5 ms once 9.9 MB bodies had passed
+            # through it (glibc's malloc serves a body from fresh mmap'd pages until a larger one raised its threshold)
+            for u in (f"{node.url}/api/v1/train/submit", f"http://127.0.0.1:{port}/api/v1/train/submit"):
+                asyncio.run(post_all(u, [_restep(p, step) for p in warm_up]))
             rows = []
             for mode, data in cases:
                 data = _restep(data, step)
                 urls = (f"{node.url}/api/v1/train/submit", f"http://127.0.0.1:{port}/api/v1/train/submit")
-                best = {u: math.inf for u in urls}
+                pids = dict(zip(urls, (node.proc.pid, ceiling.pid)))
+                times, cpu_s = {u: [] for u in urls}, {u: 0.0 for u in urls}
                 for _ in range(args.repeats):  # interleaved: both see the same machine load
                     for u in urls:
-                        best[u] = min(best[u], min(asyncio.run(post_all(u, [data] * 2))))
+                        cpu = cpu_seconds(pids[u])
+                        times[u] += asyncio.run(post_all(u, [data] * 2))
+                        cpu_s[u] += cpu_seconds(pids[u]) - cpu
                 mb = len(data) / 1e6
-                rows.append((mode, mb, mb / best[urls[0]], mb / best[urls[1]]))
-            burst = _restep(cases[0][1], step)
+                rows.append((mode, mb, *(mb / min(times[u]) for u in urls), *(mb / np.median(times[u]) for u in urls),
+                             *(1e3 * cpu_s[u] / len(times[u]) for u in urls)))
+            burst_mode, burst = cases[0][0].split()[0], _restep(cases[0][1], step)
             before_kib = vm_kib(node.proc.pid, "VmRSS")
             reset = _reset_peak(node.proc.pid)  # VmHWM := VmRSS, so the peak read below is the burst's own
             hwm_before = vm_kib(node.proc.pid, "VmHWM")
@@ -234,16 +250,23 @@ def http_main(args, cases) -> None:
             ceiling.wait(10)
 
     print(f"GPT-2 small (configs/gpt2-small.json), density {args.density:g}; each packet POSTed one after another "
-          f"on one keep-alive connection, best of {args.repeats} x 2, dtrain and ceiling interleaved in this run. "
+          f"on one keep-alive connection, best (and median) of {args.repeats} x 2, dtrain and ceiling interleaved in "
+          f"this run. "
           f"{os.cpu_count()} CPUs, Python {platform.python_version()}, numpy {np.__version__}.\n")
-    print("| path | packet MB | dtrain MB/s | ceiling MB/s | ratio |")
-    print("|---|---:|---:|---:|---:|")
-    for mode, mb, ours, ceil in rows:
-        print(f"| Mode {mode} | {mb:.1f} | {ours:,.0f} | {ceil:,.0f} | {ours / ceil:.2f} |")
+    print("| path | packet MB | dtrain MB/s | ceiling MB/s | ratio | median: dtrain / ceiling MB/s (ratio) "
+          "| server CPU ms per packet: dtrain / ceiling (ratio) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for mode, mb, ours, ceil, ours_med, ceil_med, ours_cpu, ceil_cpu in rows:
+        print(f"| Mode {mode} | {mb:.1f} | {ours:,.0f} | {ceil:,.0f} | {ours / ceil:.2f} "
+              f"| {ours_med:,.0f} / {ceil_med:,.0f} ({ours_med / ceil_med:.2f}) "
+              f"| {ours_cpu:.1f} / {ceil_cpu:.1f} ({ceil_cpu / ours_cpu:.2f}) |")
+    print("\nServer CPU: user + system time of the server's process (every thread) over its posts, per packet; its"
+          " ratio is ceiling / dtrain, so it reads like the MB/s ratio, and a loaded machine changes it less than wall"
+          " time.")
     mb = len(burst) / 1e6
     base_kib = before_kib if reset else hwm_before
     print(f"\nNode memory: RSS {before_kib / 1024:,.0f} MiB before a burst of {args.concurrent} concurrent "
-          f"{mb:.1f} MB uploads (Mode 1), peak (VmHWM) {hwm_after / 1024:,.0f} MiB during it: "
+          f"{mb:.1f} MB uploads (Mode {burst_mode}), peak (VmHWM) {hwm_after / 1024:,.0f} MiB during it: "
           f"+{(hwm_after - base_kib) / 1024:,.0f} MiB for {args.concurrent * mb / 1.048576:,.0f} MiB of packets"
           f" (accepted packets stay in the pool in this run)."
           + ("" if reset else " VmHWM could not be reset: the growth is of the peak before the burst."))
@@ -290,6 +313,7 @@ def main():
     ap.add_argument("--start-timeout", type=float, default=180.0, help="--http: seconds for the node to start")
     ap.add_argument("--ceiling-keeps-bodies", action="store_true",
                     help="--http: the ceiling keeps every body too, as the node's pool does in this run")
+    ap.add_argument("--modes", default="123", help="the modes to measure, e.g. 2 or 123 (default)")
     ap.add_argument("--serve-ceiling", type=int, help=argparse.SUPPRESS)  # internal: run the ceiling server
     args = ap.parse_args()
     if args.serve_ceiling:
@@ -315,7 +339,7 @@ def main():
     if args.http:  # the issue's Mode 3 row: every transformer block, dense
         dense_ids = [t for t, (name, _) in enumerate(named) if ".h." in name]
     dense = [(tid, None, rng.standard_normal(elements[tid], dtype=np.float32) * np.float32(1e-2))
-             for tid in dense_ids]
+             for tid in dense_ids if "3" in args.modes]
     gen_s = time.perf_counter() - t0
 
     nnz_of = lambda t: sparse[t][1].size  # noqa: E731
@@ -338,8 +362,10 @@ def main():
          span(slice_dense)),
     ]
 
+    warm_up = [data for _, data, _, _ in cases[:2]]  # Mode 1, Mode 2
+    cases = [c for c in cases if c[0][0] in args.modes]
     if args.http:
-        http_main(args, [(mode.split()[0] + " " + mode.split(" ", 1)[1], data) for mode, data, _, _ in cases])
+        http_main(args, [(mode.split()[0] + " " + mode.split(" ", 1)[1], data) for mode, data, _, _ in cases], warm_up)
         return
 
     accumulators = [np.ones(n, np.float32) for n in elements]  # touched: no page faults timed

@@ -27,7 +27,9 @@ Mode 2 indices: the first is ``skip[0]``, each next is ``previous + skip + 1``, 
 ``decode`` validates the whole packet before it returns, so a caller that decodes and then
 ``accumulate``s applies a packet entirely or not at all. It validates with reductions over the packet's own
 bytes and allocates nothing per entry: sparse sections come back as ``LazySection``s that widen their indices
-to int64 and their values to float32 when first read (on the node's training thread), once.
+to int64 and their values to float32 when first read (on the node's training thread), once. It reads the section
+headers first, then checks every Mode 2 section's entries in one gathered pass (``_mode2_valid``); only a bad packet
+is read again section by section, so that it fails with the problem a reading in packet order meets first.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from functools import partial
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -67,7 +69,7 @@ MODE2_EXPONENT_MASK.setflags(write=False)
 F16_TO_F32 = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
 F16_TO_F32.setflags(write=False)
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = Union[bytes, bytearray, memoryview, np.ndarray]  # np.ndarray: a body from bridge.bodybuf
 
 
 class PacketError(ValueError):
@@ -177,6 +179,130 @@ def _mode2_arrays(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return _mode2_indices(raw), _half_to_f32(raw.view(MODE2_ENTRY)["v"])
 
 
+def _mode2_arrays_at(buf: memoryview, start: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    return _mode2_arrays(np.frombuffer(buf, np.uint8, count=size, offset=start))
+
+
+# where each section's body lies: (tensor_id, nnz, offset of the body, elements of the tensor), in packet order
+Layout = list[tuple[int, int, int, int]]
+
+
+def _layout(buf: memoryview, pos: int, n_tensors: int, flags: int, tensor_elements: Sequence[int]
+            ) -> tuple[Layout, Optional[PacketError]]:
+    """Walk the section headers. Returns the sections up to the first problem of the layout, and that problem
+    (not raised: the values of the sections before it are checked first, as a reading section by section would)."""
+    layout: Layout = []
+    seen: set[int] = set()
+    entry_bytes = (MODE1_ENTRY if flags == FLAGS_MODE1 else MODE2_ENTRY).itemsize
+    try:
+        for k in range(n_tensors):
+            _need(buf, pos, SECTION.size, f"section {k} header")
+            tid, nnz = SECTION.unpack_from(buf, pos)
+            pos += SECTION.size
+            if tid >= len(tensor_elements):
+                raise PacketError(f"tensor {tid}: unknown tensor id "
+                                  f"(model has {len(tensor_elements)} tensors)")
+            if tid in seen:
+                raise PacketError(f"tensor {tid}: appears twice in one packet")
+            seen.add(tid)
+            elements = int(tensor_elements[tid])
+            if nnz == 0:  # Mode 3 whatever flags says
+                size = elements * DENSE_ENTRY.itemsize
+                _need(buf, pos, size, f"tensor {tid} dense body")
+            else:
+                size = nnz * entry_bytes
+                _need(buf, pos, size, f"tensor {tid} body ({nnz} entries)")
+            layout.append((tid, nnz, pos, elements))
+            pos += size
+        if pos != len(buf):
+            raise PacketError(f"trailing bytes: {len(buf) - pos} after the last section")
+    except PacketError as e:
+        return layout, e
+    return layout, None
+
+
+def _check_section(buf: memoryview, flags: int, tid: int, nnz: int, start: int, elements: int,
+                   scratch: np.ndarray) -> None:
+    """Check one section's values; raises the PacketError naming its first problem."""
+    if nnz == 0:
+        _check_finite_f16(tid, np.frombuffer(buf, DENSE_ENTRY, count=elements, offset=start), scratch)
+    elif flags == FLAGS_MODE1:
+        _check_mode1(tid, np.frombuffer(buf, MODE1_ENTRY, count=nnz, offset=start), elements, scratch)
+    else:
+        _check_mode2(tid, np.frombuffer(buf, np.uint8, count=nnz * MODE2_ENTRY.itemsize, offset=start), elements,
+                     scratch)
+
+
+def _raise_first_invalid(buf: memoryview, layout: Layout, flags: int, scratch: np.ndarray) -> None:
+    """Section by section, in packet order: raise the first section's problem (only a bad packet pays for this)."""
+    for section in layout:
+        _check_section(buf, flags, *section, scratch)
+    raise AssertionError("_values_valid found a problem that no section's own check finds")
+
+
+def _values_valid(buf: memoryview, layout: Layout, flags: int, scratch: np.ndarray) -> bool:
+    """Whether every section's values are within bounds and finite; Mode 2 sections in one gathered pass."""
+    mode2 = []
+    for tid, nnz, start, elements in layout:
+        if nnz and flags == FLAGS_MODE2:
+            mode2.append((nnz, start, elements))
+            continue
+        try:
+            _check_section(buf, flags, tid, nnz, start, elements, scratch)
+        except PacketError:
+            return False
+    return _mode2_valid(buf, mode2, scratch)
+
+
+def _mode2_valid(buf: memoryview, sections: list[tuple[int, int, int]], scratch: np.ndarray) -> bool:
+    """Whether the Mode 2 `sections` ((nnz, body offset, elements) each) are within bounds and finite.
+
+    The entries of consecutive sections are copied back to back (without their 8-byte headers) into a 256 KiB
+    gathering buffer, and each full buffer is checked with a handful of whole-array operations: the exponent-mask
+    pass, and the skips summed per piece of a section by one reduceat. Per section, that leaves a slice copy in
+    Python; checked one at a time, each section cost a dozen numpy calls, most of the decode time of a 148-section
+    GPT-2 packet (the passes over its 4 MB took ~1.3 ms of ~6).
+    """
+    if not sections:
+        return True
+    cap = MODE2_EXPONENT_MASK.size  # a multiple of 3: a full buffer holds whole entries
+    gathered = np.empty(cap, np.uint8)
+    into = memoryview(gathered)
+    sums: list[np.ndarray] = []  # skips summed per piece (a section's entries within one gathering)
+    first_piece: list[int] = []  # per section: the index of its first piece
+    starts: list[int] = []  # entry index of each piece in the gathering being filled
+    fill = pieces = 0
+    for nnz, pos, _elements in sections:
+        first_piece.append(pieces)
+        left = nnz * MODE2_ENTRY.itemsize
+        while left:
+            take = min(left, cap - fill)
+            into[fill:fill + take] = buf[pos:pos + take]
+            starts.append(fill // MODE2_ENTRY.itemsize)
+            pieces += 1
+            fill, pos, left = fill + take, pos + take, left - take
+            if fill == cap:
+                if not _gathered_valid(gathered[:fill], starts, sums, scratch):
+                    return False
+                fill, starts = 0, []
+    if fill and not _gathered_valid(gathered[:fill], starts, sums, scratch):
+        return False
+    nnz, _, elements = (np.array(column, np.int64) for column in zip(*sections))
+    # every step is >= 1: a section's last index, its largest, is sum(skip) + nnz - 1
+    skip_sums = np.add.reduceat(np.concatenate(sums), first_piece)
+    return bool((skip_sums + nnz - 1 < elements).all())
+
+
+def _gathered_valid(gathered: np.ndarray, starts: list[int], sums: list[np.ndarray], scratch: np.ndarray) -> bool:
+    """False if a value in `gathered` (whole Mode 2 entries) is not finite; else append the skips summed per piece
+    (pieces begin at entries `starts`) to `sums`."""
+    masked = np.bitwise_and(gathered, MODE2_EXPONENT_MASK[:gathered.size], out=scratch[:gathered.size])
+    if np.maximum.reduce(masked) == 0x7C:
+        return False
+    sums.append(np.add.reduceat(gathered[0::3], starts, dtype=np.int64))
+    return True
+
+
 def decode(data: Buffer, tensor_elements: Sequence[int]) -> Packet:
     """Parse and fully validate one packet; ``tensor_elements[i]`` is tensor i's element count.
 
@@ -211,42 +337,27 @@ def decode(data: Buffer, tensor_elements: Sequence[int]) -> Packet:
     # Every section is at least 8 bytes: refuse an absurd count before looping over it.
     _need(buf, pos, n_tensors * SECTION.size, f"sections ({n_tensors} declared)")
 
-    sections: list[AnySection] = []
-    seen: set[int] = set()
+    layout, broken = _layout(buf, pos, n_tensors, flags, tensor_elements)
     scratch = np.empty(CHECK_CHUNK_BYTES, np.uint8)
-    for k in range(n_tensors):
-        _need(buf, pos, SECTION.size, f"section {k} header")
-        tid, nnz = SECTION.unpack_from(buf, pos)
-        pos += SECTION.size
-        if tid >= len(tensor_elements):
-            raise PacketError(f"tensor {tid}: unknown tensor id "
-                              f"(model has {len(tensor_elements)} tensors)")
-        if tid in seen:
-            raise PacketError(f"tensor {tid}: appears twice in one packet")
-        seen.add(tid)
-        elements = int(tensor_elements[tid])
-        if nnz == 0:  # Mode 3 whatever flags says
-            _need(buf, pos, elements * DENSE_ENTRY.itemsize, f"tensor {tid} dense body")
+    # The checks of the values run after the layout is known, all Mode 2 sections in one gathered pass; a packet
+    # fails with the problem a reading section by section meets first: the first section whose values are wrong,
+    # or else the layout's problem (which lies after every section in `layout`).
+    if not _values_valid(buf, layout, flags, scratch):
+        _raise_first_invalid(buf, layout, flags, scratch)
+    if broken is not None:
+        raise broken
+    sections: list[AnySection] = []
+    for tid, nnz, start, elements in layout:
+        if nnz == 0:
             # kept as float16, a view of the packet: add_sections converts it a chunk at a time
             # as it adds, so no float32 copy (twice the packet) is ever made of a dense tensor
-            values = np.frombuffer(buf, DENSE_ENTRY, count=elements, offset=pos)
-            pos += elements * DENSE_ENTRY.itemsize
-            _check_finite_f16(tid, values, scratch)
-            sections.append(Section(tid, None, values))
-            continue
-        size = nnz * (MODE1_ENTRY if flags == FLAGS_MODE1 else MODE2_ENTRY).itemsize
-        _need(buf, pos, size, f"tensor {tid} body ({nnz} entries)")
-        if flags == FLAGS_MODE1:
-            rec = np.frombuffer(buf, MODE1_ENTRY, count=nnz, offset=pos)
-            _check_mode1(tid, rec, elements, scratch)
-            sections.append(LazySection(tid, False, size, partial(_mode1_arrays, rec)))
+            sections.append(Section(tid, None, np.frombuffer(buf, DENSE_ENTRY, count=elements, offset=start)))
+        elif flags == FLAGS_MODE1:
+            rec = np.frombuffer(buf, MODE1_ENTRY, count=nnz, offset=start)
+            sections.append(LazySection(tid, False, rec.nbytes, partial(_mode1_arrays, rec)))
         else:
-            raw = np.frombuffer(buf, np.uint8, count=size, offset=pos)
-            _check_mode2(tid, raw, elements, scratch)
-            sections.append(LazySection(tid, True, size, partial(_mode2_arrays, raw)))
-        pos += size
-    if pos != len(buf):
-        raise PacketError(f"trailing bytes: {len(buf) - pos} after the last section")
+            size = nnz * MODE2_ENTRY.itemsize
+            sections.append(LazySection(tid, True, size, partial(_mode2_arrays_at, buf, start, size)))
     return Packet(version, flags, step, node_id, float(train_loss), samples, tuple(sections))
 
 

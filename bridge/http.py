@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 from aiohttp import web
 from hivemind.utils.logging import get_logger
+
+from bridge.bodybuf import Body
 
 logger = get_logger(__name__)
 
@@ -83,28 +85,28 @@ def install(app: web.Application) -> None:
     app.on_response_prepare.append(_add_cors)
 
 
-async def read_body(request: web.Request, max_body_bytes: int) -> bytearray:
+async def read_body(request: web.Request, max_body_bytes: int,
+                    allocate: Callable[[int], Body] = bytearray) -> Body:
     """The request body, with the spec's 411 (no Content-Length) and 413 (too large) answers.
 
-    Read into one buffer of exactly Content-Length bytes, allocated before the first byte arrives: request.read()
-    gathers the chunks in a list and joins them, so each body briefly held twice its size in memory. Here a node
-    with N uploads in flight holds the N bodies and one socket chunk each. A body cut short by the client is
-    returned as what arrived, as request.read() did.
+    Read into one buffer of exactly Content-Length bytes from `allocate`, allocated before the first byte arrives:
+    request.read() gathers the chunks in a list and joins them, so each body briefly held twice its size in memory.
+    Here a node with N uploads in flight holds the N bodies and one socket chunk each. A body cut short by the
+    client is returned as what arrived, as request.read() did. DGRD packets pass `bodybuf.body_buffer` (huge pages).
     """
     length = request.content_length
     if length is None:
         raise ApiError(411, "Content-Length required")
     if length > max_body_bytes:
         raise ApiError(413, f"body of {length} bytes exceeds the limit of {max_body_bytes} bytes")
-    body = bytearray(length)
-    view = memoryview(body)
+    body = allocate(length)
+    view = memoryview(body).cast("B")
     got = 0
     while got < length:
         chunk = await request.content.readany()
         if not chunk:
             del view
-            del body[got:]
-            return body
+            return body[:got]
         view[got:got + len(chunk)] = chunk
         got += len(chunk)
     return body

@@ -286,3 +286,140 @@ def test_encoder_refuses_what_decoder_would_reject():
         dgrd.encode(0, "n", 0.0, 1, [(0, [1], [1e6])], 1)
     with pytest.raises(ValueError, match="flags"):
         dgrd.encode(0, "n", 0.0, 1, [], 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mode 2 checked in one gathered pass: the same first problem as a reading section by section
+
+BIG = [300_000, 50, 200_000, 7, 120_000]  # tensor 0's 100k entries span the 256 KiB gathering buffer
+
+
+def first_problem(data: bytes, elements) -> str | None:
+    """What decode must say of a packet whose header is good: its sections read one by one, each section's indices
+    made in full (the reference the gathered checks are held to); None for a good packet."""
+    pos = 16 + struct.unpack_from("<I", data, 12)[0] + 12
+    flags, n_tensors = struct.unpack_from("<H", data, 6)[0], struct.unpack_from("<I", data, pos - 4)[0]
+    assert flags == dgrd.FLAGS_MODE2
+    if pos + 8 * n_tensors > len(data):
+        return f"truncated sections ({n_tensors} declared)"
+    seen = set()
+    for k in range(n_tensors):
+        if pos + 8 > len(data):
+            return f"truncated section {k} header"
+        tid, nnz = struct.unpack_from("<II", data, pos)
+        pos += 8
+        if tid >= len(elements):
+            return f"tensor {tid}: unknown tensor id"
+        if tid in seen:
+            return f"tensor {tid}: appears twice in one packet"
+        seen.add(tid)
+        n = elements[tid]
+        if nnz == 0:
+            if pos + 2 * n > len(data):
+                return f"truncated tensor {tid} dense body"
+            indices, values = np.arange(n), np.frombuffer(data, "<f2", count=n, offset=pos)
+            pos += 2 * n
+        else:
+            if pos + 3 * nnz > len(data):
+                return f"truncated tensor {tid} body ({nnz} entries)"
+            entries = np.frombuffer(data, [("s", "u1"), ("v", "<f2")], count=nnz, offset=pos)
+            pos += 3 * nnz
+            indices = np.cumsum(entries["s"].astype(np.int64) + 1) - 1
+            values = entries["v"]
+        if (indices >= n).any():
+            return f"tensor {tid}: index {indices[np.argmax(indices >= n)]} >= {n} elements"
+        if not np.isfinite(values).all():
+            return f"tensor {tid}: value at entry {np.argmin(np.isfinite(values))} is not finite"
+    if pos != len(data):
+        return f"trailing bytes: {len(data) - pos} after the last section"
+    return None
+
+
+def big_mode2_packet() -> tuple[bytes, list[tuple[int, int]]]:
+    """Sparse sections that each end at their tensor's last element (one more skip is out of bounds), a dense one
+    between them; and (offset, bytes) of each section's body."""
+    rng = np.random.default_rng(5)
+    sections = []
+    for tid, n in enumerate(BIG):
+        if tid == 3:
+            sections.append((tid, None, rng.standard_normal(n)))
+            continue
+        idx = np.union1d(rng.choice(n - 1, size=n // 3, replace=False), [n - 1])
+        sections.append((tid, idx, rng.standard_normal(idx.size)))
+    order = [2, 0, 3, 4, 1]  # not in id order
+    data = dgrd.encode(1, "big", 1.0, 3, [sections[t] for t in order], dgrd.FLAGS_MODE2)
+    bodies, pos = [], 16 + 3 + 12
+    for _ in order:
+        tid, nnz = struct.unpack_from("<II", data, pos)
+        size = 3 * nnz if nnz else 2 * BIG[tid]
+        bodies.append((pos + 8, size))
+        pos += 8 + size
+    return data, bodies
+
+
+BIG_PACKET, BIG_BODIES = big_mode2_packet()
+
+
+def test_big_mode2_packet_decodes_exactly():
+    assert first_problem(BIG_PACKET, BIG) is None
+    got = dense(dgrd.decode(BIG_PACKET, BIG).sections, BIG)
+    # the same sections as the reference reads them
+    assert got[0][-1] != 0 and got[2][-1] != 0 and np.count_nonzero(got[0]) == BIG[0] // 3 + 1
+
+
+@settings(deadline=None, max_examples=60)
+@given(st.data())
+def test_mode2_checks_name_the_problem_a_section_by_section_reading_meets_first(data):
+    out = bytearray(BIG_PACKET)
+    for _ in range(data.draw(st.integers(1, 3))):
+        section, (start, size) = data.draw(st.sampled_from(list(enumerate(BIG_BODIES))))
+        what = data.draw(st.sampled_from(["skip", "value", "header", "byte"]))
+        if what == "header":  # its tensor id or nnz
+            out[start - 8 + data.draw(st.integers(0, 7))] ^= 1 << data.draw(st.integers(0, 7))
+            continue
+        at = start + data.draw(st.integers(0, size - 1))
+        if what == "byte":
+            out[at] = data.draw(st.integers(0, 255))
+        elif section == 2:  # the dense section: a half with every exponent bit set (inf or NaN)
+            out[at - (at - start) % 2 + 1] |= 0x7C
+        elif what == "skip":  # one step longer: past the last element
+            out[at - (at - start) % 3] += 1 if out[at - (at - start) % 3] < 255 else 0
+        else:
+            out[at - (at - start) % 3 + 2] |= 0x7C
+    if data.draw(st.booleans()):
+        out = out[:data.draw(st.integers(BIG_BODIES[0][0], len(out)))]
+    expected = first_problem(bytes(out), BIG)
+    if expected is None:
+        dgrd.decode(bytes(out), BIG)
+        return
+    with pytest.raises(PacketError) as e:
+        dgrd.decode(bytes(out), BIG)
+    assert str(e.value).startswith(expected), (str(e.value), expected)
+
+
+def test_first_bad_section_wins_over_a_later_broken_layout():
+    out = bytearray(BIG_PACKET)
+    start, size = BIG_BODIES[1]  # tensor 0, the second section
+    out[start + size - 3] += 1  # its last step one longer: index 300000
+    with pytest.raises(PacketError, match="tensor 0: index 300000 >= 300000 elements"):
+        dgrd.decode(bytes(out[:-1]), BIG)  # and the last section truncated
+    out[BIG_BODIES[2][0] + 1] |= 0x7C  # the dense section after it: not finite
+    with pytest.raises(PacketError, match="tensor 0: index 300000"):
+        dgrd.decode(bytes(out), BIG)
+    out = bytearray(BIG_PACKET)
+    out[BIG_BODIES[2][0] + 5] |= 0x7C  # the dense tensor 3's entry 2 ...
+    out[BIG_BODIES[3][0] + 3 * 30_000 + 2] |= 0x7C  # ... before a Mode 2 section's bad value
+    with pytest.raises(PacketError, match="tensor 3: value at entry 2 is not finite"):
+        dgrd.decode(bytes(out), BIG)
+
+
+def test_every_entry_around_a_gathering_boundary_is_checked():
+    per_gathering = dgrd.MODE2_EXPONENT_MASK.size // 3  # entries
+    entries_2 = BIG_BODIES[0][1] // 3  # tensor 2 is gathered first, then tensor 0
+    boundary = per_gathering - entries_2  # tensor 0's first entry in the second gathering
+    cases = [(0, 2, 0), (0, 2, entries_2 - 1), (1, 0, boundary - 1), (1, 0, boundary), (1, 0, 99_999)]
+    for body, tid, entry in cases:
+        out = bytearray(BIG_PACKET)
+        out[BIG_BODIES[body][0] + 3 * entry + 2] |= 0x7C
+        with pytest.raises(PacketError, match=f"tensor {tid}: value at entry {entry} is not finite"):
+            dgrd.decode(bytes(out), BIG)
