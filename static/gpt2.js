@@ -11,15 +11,30 @@ function layerNorm(tf, x, weight, bias) {
 }
 
 function geluNew(tf, x) {
-  const inner = tf.mul(GELU_C, tf.add(x, tf.mul(0.044715, tf.pow(x, 3))));
+  // x * x * x, not tf.pow(x, 3): Pow and its gradient (pow, log, select) cost 10x the two multiplies on WASM
+  const inner = tf.mul(GELU_C, tf.add(x, tf.mul(0.044715, tf.mul(tf.mul(x, x), x))));
   return tf.mul(tf.mul(0.5, x), tf.add(1, tf.tanh(inner)));
+}
+
+// a [M, K] @ b [K, N] with a gradient of plain matMuls too. tfjs-backend-wasm hands a matMul to XNNPACK only
+// when neither side is transposed and there is no batch; otherwise it runs a scalar loop about 10x slower, and
+// tf.matMul's own gradient is exactly that (dy @ b^T, a^T @ dy with transpose flags). Transposing explicitly
+// is one copy of a weight-sized tensor against a matmul of M times that work.
+function matMul2d(tf, a, b) {
+  return tf.customGrad((a, b, save) => {
+    save([a, b]);
+    return {
+      value: tf.matMul(a, b),
+      gradFunc: (dy, [a, b]) => [tf.matMul(dy, tf.transpose(b)), tf.matMul(tf.transpose(a), dy)],
+    };
+  })(a, b);
 }
 
 // Conv1D of transformers: x [..., in] @ weight [in, out] + bias
 function conv1d(tf, x, weight, bias) {
   const shape = x.shape;
   const flat = tf.reshape(x, [-1, shape[shape.length - 1]]);
-  const out = tf.add(tf.matMul(flat, weight), bias);
+  const out = tf.add(matMul2d(tf, flat, weight), bias);
   return tf.reshape(out, [...shape.slice(0, -1), weight.shape[1]]);
 }
 
@@ -44,6 +59,40 @@ function embed(tf, wte, tokens) {
     gradFunc: (dy) => tf.scatterND(tf.reshape(flat, [-1, 1]), tf.reshape(dy, [B * T, D]), w.shape),
   }));
   return lookup(wte);
+}
+
+// The tied LM head, h [N, D] @ wte^T -> logits [N, V], through XNNPACK both ways (see matMul2d): the forward
+// multiplies by wte^T made once, dh = dlogits @ wte, and dwte = dlogits^T @ h comes out in wte's own layout.
+// This is most of the model's work: N x V x D three times against N x 12 D^2 per transformer block.
+function lmHead(tf, h, wte) {
+  return tf.customGrad((h, wte, save) => {
+    save([h, wte]);
+    return {
+      value: tf.matMul(h, tf.transpose(wte)),
+      gradFunc: (dy, [h, wte]) => [tf.matMul(dy, wte), tf.matMul(tf.transpose(dy), h)],
+    };
+  })(h, wte);
+}
+
+// Mean cross-entropy of logits [N, V] against labels [N] (int32), as torch's cross_entropy: log-sum-exp minus the
+// label's logit, with the gradient written out, (softmax - onehot) / N: tf.logSoftmax times a float one-hot
+// matrix and its taped gradient make about ten passes over the N x V logits, this five. (The one-hot is a
+// scatterND: WASM's OneHot kernel writes int32 whatever dtype is asked, and casting it is one more pass.)
+function crossEntropy(tf, logits, labels) {
+  const [N, V] = logits.shape;
+  const flatIndex = tf.add(labels, tf.mul(tf.range(0, N, 1, "int32"), tf.scalar(V, "int32"))); // row * V + label
+  return tf.customGrad((logits, save) => {
+    const lse = tf.logSumExp(logits, -1, true); // [N, 1]
+    const picked = tf.gather(tf.reshape(logits, [-1]), flatIndex); // [N]
+    save([logits, lse, flatIndex]);
+    return {
+      value: tf.mean(tf.sub(tf.reshape(lse, [-1]), picked)),
+      gradFunc: (dy, [logits, lse, flatIndex]) => {
+        const oneHot = tf.scatterND(tf.reshape(flatIndex, [N, 1]), tf.ones([N]), [N * V]);
+        return tf.mul(tf.sub(tf.exp(tf.sub(logits, lse)), tf.reshape(oneHot, [N, V])), tf.div(dy, N));
+      },
+    };
+  })(logits);
 }
 
 function causalMask(tf, T) {
@@ -72,11 +121,9 @@ export function lmLoss(tf, config, p, tokens) {
   x = layerNorm(tf, x, p["transformer.ln_f.weight"], p["transformer.ln_f.bias"]);
   const D = x.shape[2];
   const h = tf.reshape(tf.slice(x, [0, 0, 0], [B, T - 1, D]), [B * (T - 1), D]);
-  const logits = tf.matMul(h, p["transformer.wte.weight"], false, true); // tied LM head: [N, V]
+  const logits = lmHead(tf, h, p["transformer.wte.weight"]); // tied LM head: [N, V]
   const labels = tf.reshape(tf.slice(tokens, [0, 1], [B, T - 1]), [-1]);
-  const logProbs = tf.logSoftmax(logits, -1);
-  const picked = tf.sum(tf.mul(logProbs, tf.oneHot(labels, logits.shape[1])), -1);
-  return tf.neg(tf.mean(picked));
+  return crossEntropy(tf, logits, labels);
 }
 
 /**
