@@ -178,3 +178,55 @@ def test_error_feedback(tmp_path):
     assert out["r1"][1][0] == pytest.approx(dense_err, abs=1e-9)
     # step 2: residual [2, -3, 1, 2] -> keeps |-3| and one of the |2| ties (lowest index: 0)
     assert out["r2"][0] == [0, 0, 1, 2]
+
+
+def _topk_reference(flat: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest |x|, NaN above +inf, the lowest indices first among equals; ascending."""
+    mag = np.abs(flat.astype(np.float64))
+    rank = np.where(np.isnan(flat), np.inf, mag)  # NaN: ranked by the tier below, not by value
+    tier = np.where(np.isnan(flat), 1, 0)
+    order = np.lexsort((np.arange(flat.size), -rank, -tier))  # last key first: tier, then magnitude, then index
+    return np.sort(order[:k])
+
+
+def test_topk_exact_on_ties_zeros_and_non_finite(tmp_path):
+    """The histogram selection keeps exactly the k largest magnitudes (lowest index among equals, NaN largest),
+    on data built to break it: ties across the threshold, one 16-bit bucket holding everything, +-0, subnormals,
+    infinities and NaN in the top k."""
+    r = _rng(11)
+    near = np.float32(1.0) + np.arange(4000, dtype=np.float32) * np.float32(2**-23)  # one high-16-bit bucket
+    cases = {
+        "ties": r.integers(-3, 4, 5000).astype(np.float32),
+        "one_bucket": r.permutation(np.concatenate([near, -near])).astype(np.float32),
+        "all_equal": np.full(3000, -0.5, np.float32),
+        "zeros": np.concatenate([np.zeros(500, np.float32), -np.zeros(500, np.float32), np.float32([1e-45, -1e-45])]),
+        "non_finite": np.concatenate([r.standard_normal(3000), [np.inf, -np.inf, np.nan, np.nan, np.inf] * 8]
+                                     ).astype(np.float32),
+        "nan_over_k": np.concatenate([np.full(100, np.nan), [np.inf, -np.inf], r.standard_normal(900)]
+                                     ).astype(np.float32),
+        "random": r.standard_normal(20011).astype(np.float32),
+    }
+    names = list(cases)
+    for i, name in enumerate(names):
+        (tmp_path / f"{i}.bin").write_bytes(cases[name].astype("<f4").tobytes())
+    fractions = [0.0001, 0.01, 0.03, 0.5, 0.999]
+    code = (
+        "import {readFileSync} from 'node:fs';"
+        f"import {{topK}} from {json.dumps((REPO / 'static' / 'dgrd.js').as_uri())};"
+        f"const out = []; for (let i = 0; i < {len(names)}; i++) {{"
+        " const b = readFileSync(process.argv[1] + '/' + i + '.bin');"
+        " const g = new Float32Array(b.buffer.slice(b.byteOffset, b.byteOffset + b.length));"
+        f" out.push({json.dumps(fractions)}.map((f) => {{ const s = topK([g], f)[0];"
+        "  return s.indices === null ? null : Array.from(s.indices); }));"
+        "} console.log(JSON.stringify(out));"
+    )
+    proc = subprocess.run([_node(), "--input-type=module", "-e", code, str(tmp_path)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    for name, per_fraction in zip(names, got):
+        flat = cases[name]
+        for fraction, indices in zip(fractions, per_fraction):
+            k = max(1, round(flat.size * fraction))
+            want = _topk_reference(flat, k)
+            assert indices == want.tolist(), (name, fraction, k)
