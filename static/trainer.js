@@ -106,7 +106,7 @@ export class BrowserTrainer {
     this.tensors = null; // tf tensors in manifest order
     // trainMs: time spent in accepted contributions (batch, gradients, encode, submit), not in model downloads
     this.stats = { downloadedBytes: 0, cacheHits: 0, steps: 0, samples: 0, tokens: 0, trainMs: 0, lastMs: null,
-                   lastLoss: null, refetches: 0 };
+                   lastSplitMs: null, lastLoss: null, refetches: 0 };
     this._tokens = null; // token ids of `text`
     this._stopped = false;
   }
@@ -198,10 +198,14 @@ export class BrowserTrainer {
     if (this.tensors === null) await this.loadModel();
     const t0 = performance.now();
     const { ids, batch, seqLen } = await this.nextBatch();
+    const t1 = performance.now();
     const { loss, grads } = await this.gradients(ids, batch, seqLen);
     if (!Number.isFinite(loss)) throw new TrainerError(`the loss is ${loss}; not submitting`);
+    const t2 = performance.now();
     const sections = this.feedback.step(grads);
+    const t3 = performance.now();
     const packet = encodeDGRD({ step: this.step, nodeId: this.nodeId, trainLoss: loss, samples: batch, sections });
+    const t4 = performance.now();
     const r = await fetchOrThrow(this.url("/api/v1/train/submit"), {
       method: "POST", body: packet, headers: { "Content-Type": "application/octet-stream" },
     }, "submit");
@@ -214,7 +218,10 @@ export class BrowserTrainer {
       return { status: 409, loss, serverStep: body.server_step };
     }
     if (!r.ok) throw new TrainerError(`submit: ${body.message}`, r.status);
-    this.stats.lastMs = performance.now() - t0;
+    const t5 = performance.now();
+    // where the contribution's time went (ms): selection is top-k with error feedback, submit includes the answer
+    this.stats.lastSplitMs = { batch: t1 - t0, gradient: t2 - t1, select: t3 - t2, encode: t4 - t3, submit: t5 - t4 };
+    this.stats.lastMs = t5 - t0;
     this.stats.trainMs += this.stats.lastMs;
     this.stats.steps++;
     this.stats.samples += batch;
