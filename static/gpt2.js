@@ -62,16 +62,31 @@ function embed(tf, wte, tokens) {
 }
 
 // The tied LM head, h [N, D] @ wte^T -> logits [N, V], through XNNPACK both ways (see matMul2d): the forward
-// multiplies by wte^T made once, dh = dlogits @ wte, and dwte = dlogits^T @ h comes out in wte's own layout.
-// This is most of the model's work: N x V x D three times against N x 12 D^2 per transformer block.
-function lmHead(tf, h, wte) {
+// multiplies by wte^T (`wteT`, made once per step by stepConstants when given), dh = dlogits @ wte, and
+// dwte = dlogits^T @ h comes out in wte's own layout. This is most of the model's work: N x V x D three times
+// against N x 12 D^2 per transformer block.
+function lmHead(tf, h, wte, wteT = null) {
   return tf.customGrad((h, wte, save) => {
     save([h, wte]);
     return {
-      value: tf.matMul(h, tf.transpose(wte)),
+      value: tf.matMul(h, wteT ?? tf.transpose(wte)),
       gradFunc: (dy, [h, wte]) => [tf.matMul(dy, wte), tf.matMul(tf.transpose(dy), h)],
     };
   })(h, wte);
+}
+
+/**
+ * What the loss needs from a step's parameters that does not change until the next step: the LM head's wte^T
+ * (a 50,257 x D copy, and XNNPACK packs it once per step instead of once per contribution). Kept out of tidy
+ * scopes; the caller disposes it (disposeStepConstants) when the parameters change.
+ */
+export function stepConstants(tf, names, tensors) {
+  const wte = tensors[names.indexOf("transformer.wte.weight")];
+  return { wteT: tf.keep(tf.transpose(wte)) };
+}
+
+export function disposeStepConstants(constants) {
+  if (constants) Object.values(constants).forEach((t) => t.dispose());
 }
 
 // Mean cross-entropy of logits [N, V] against labels [N] (int32), as torch's cross_entropy: log-sum-exp minus the
@@ -105,7 +120,7 @@ function causalMask(tf, T) {
  * Mean next-token cross-entropy of `tokens` ([B, T] int32 tensor) under parameters `p` (name -> tensor), exactly
  * as GPT2LMHeadModel(input_ids=tokens, labels=tokens).loss: positions 0..T-2 predict tokens 1..T-1.
  */
-export function lmLoss(tf, config, p, tokens) {
+export function lmLoss(tf, config, p, tokens, constants = null) {
   const [B, T] = tokens.shape;
   const wpe = p["transformer.wpe.weight"];
   let x = tf.add(embed(tf, p["transformer.wte.weight"], tokens), tf.slice(wpe, [0, 0], [T, wpe.shape[1]]));
@@ -121,19 +136,20 @@ export function lmLoss(tf, config, p, tokens) {
   x = layerNorm(tf, x, p["transformer.ln_f.weight"], p["transformer.ln_f.bias"]);
   const D = x.shape[2];
   const h = tf.reshape(tf.slice(x, [0, 0, 0], [B, T - 1, D]), [B * (T - 1), D]);
-  const logits = lmHead(tf, h, p["transformer.wte.weight"]); // tied LM head: [N, V]
+  const logits = lmHead(tf, h, p["transformer.wte.weight"], constants?.wteT); // tied LM head: [N, V]
   const labels = tf.reshape(tf.slice(tokens, [0, 1], [B, T - 1]), [-1]);
   return crossEntropy(tf, logits, labels);
 }
 
 /**
  * Loss and gradient of every parameter for one batch. `names` lists the parameters in manifest order and
- * `tensors` holds them ([shape] float32 tensors). Returns {loss: number, grads: Float32Array[] in that order}.
+ * `tensors` holds them ([shape] float32 tensors); `constants`, stepConstants of those tensors (optional: made
+ * and dropped inside this call when null). Returns {loss: number, grads: Float32Array[] in that order}.
  */
-export async function lossAndGradients(tf, config, names, tensors, tokenIds, batch, seqLen) {
+export async function lossAndGradients(tf, config, names, tensors, tokenIds, batch, seqLen, constants = null) {
   const tokens = tf.tensor2d(tokenIds, [batch, seqLen], "int32");
   try {
-    const f = (...xs) => lmLoss(tf, config, Object.fromEntries(names.map((n, i) => [n, xs[i]])), tokens);
+    const f = (...xs) => lmLoss(tf, config, Object.fromEntries(names.map((n, i) => [n, xs[i]])), tokens, constants);
     const { value, grads } = tf.valueAndGrads(f)(tensors);
     try {
       const loss = (await value.data())[0];

@@ -2,7 +2,7 @@
 // computes GPT-2's gradients with TensorFlow.js on the fastest backend the browser has, and submits DGRD packets.
 // Plain ES module: runs in a Web Worker (static/contribute_worker.js) or on a page.
 
-import { lossAndGradients } from "./gpt2.js";
+import { disposeStepConstants, lossAndGradients, stepConstants } from "./gpt2.js";
 import { ErrorFeedback, FLAGS_MODE1, encodeDGRD } from "./dgrd.js";
 import { cacheDropOtherSteps, cacheGet, cachePut, f16BytesToF32 } from "./weights.js";
 import { GPT2Tokenizer } from "./tokenizer.js";
@@ -104,6 +104,7 @@ export class BrowserTrainer {
     this.manifest = null;
     this.step = null; // the step of the loaded parameters
     this.tensors = null; // tf tensors in manifest order
+    this.constants = null; // gpt2.js stepConstants of `tensors`: what every contribution at this step reuses
     // trainMs: time spent in accepted contributions (batch, gradients, encode, submit), not in model downloads
     this.stats = { downloadedBytes: 0, cacheHits: 0, steps: 0, samples: 0, tokens: 0, trainMs: 0, lastMs: null,
                    lastSplitMs: null, lastLoss: null, refetches: 0 };
@@ -126,6 +127,8 @@ export class BrowserTrainer {
       if (arrays === null) continue; // the step moved on mid-download
       this.tensors?.forEach((t) => t.dispose());
       this.tensors = this.manifest.map((t, i) => this.tf.tensor(arrays[i], t.shape, "float32"));
+      disposeStepConstants(this.constants);
+      this.constants = stepConstants(this.tf, this.manifest.map((t) => t.name), this.tensors);
       this.step = info.step;
       await cacheDropOtherSteps(this._cachePrefix(), info.step);
       this.onEvent({ type: "model", step: info.step, ...this.stats });
@@ -190,7 +193,7 @@ export class BrowserTrainer {
   /** Gradients of one batch at the loaded step: {loss, grads: Float32Array[] in manifest order}. */
   async gradients(ids, batch, seqLen) {
     const names = this.manifest.map((t) => t.name);
-    return lossAndGradients(this.tf, this.config, names, this.tensors, ids, batch, seqLen);
+    return lossAndGradients(this.tf, this.config, names, this.tensors, ids, batch, seqLen, this.constants);
   }
 
   /** One contribution: batch, gradients, DGRD packet, submit. Returns the node's answer and what was sent. */
@@ -241,5 +244,10 @@ export class BrowserTrainer {
 
   stop() { this._stopped = true; }
 
-  dispose() { this.tensors?.forEach((t) => t.dispose()); this.tensors = null; }
+  dispose() {
+    this.tensors?.forEach((t) => t.dispose());
+    this.tensors = null;
+    disposeStepConstants(this.constants);
+    this.constants = null;
+  }
 }
