@@ -113,20 +113,28 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="times each backend runs, in turn")
     parser.add_argument("--baseline", metavar="REV", help="also time the browser modules of this git revision")
     parser.add_argument("--current", metavar="REV", help="time this revision's modules instead of the working tree's")
+    parser.add_argument("--wasm-threads", type=int, metavar="N",
+                        help="also time the current modules with the page's navigator.hardwareConcurrency set to 2N: "
+                             "tfjs-backend-wasm starts half the logical cores as threads (an experiment, not shipped)")
     args = parser.parse_args()
     if not 1 <= args.rounds <= 20:
         parser.error(f"--rounds must be 1..20, got {args.rounds}")
     if not 1 <= args.steps <= 50:
         parser.error(f"--steps must be 1..50, got {args.steps}")
-    codes = {}  # label -> where the page imports the modules from
+    if args.wasm_threads is not None and not 1 <= args.wasm_threads <= 8:
+        parser.error(f"--wasm-threads must be 1..8 (the backend's pool has 8 workers), got {args.wasm_threads}")
+    codes = {}  # label -> (where the page imports the modules from, navigator.hardwareConcurrency or None: real)
     if args.baseline:
         rev = commit_of(parser, "--baseline", args.baseline)
-        codes[f"baseline {rev}"] = f"/static/rev-{rev}/"
+        codes[f"baseline {rev}"] = (f"/static/rev-{rev}/", None)
     if args.current:
         rev = commit_of(parser, "--current", args.current)
-        codes[f"current {rev}"] = f"/static/rev-{rev}/"
+        current = (f"current {rev}", f"/static/rev-{rev}/")
     else:
-        codes["current (working tree)"] = "/static/"
+        current = ("current (working tree)", "/static/")
+    codes[current[0]] = (current[1], None)
+    if args.wasm_threads:
+        codes[f"{current[0]}, hardwareConcurrency {2 * args.wasm_threads}"] = (current[1], 2 * args.wasm_threads)
 
     results: dict[tuple[str, str], list] = {(b, c): [] for b in args.backends for c in codes}
     # a target the bench never reaches: the step stays put, so no step re-downloads the model
@@ -140,9 +148,12 @@ def main() -> None:
             serve_revisions(context)
             for _ in range(args.rounds):
                 for backend in args.backends:
-                    for code, modules in codes.items():
+                    for code, (modules, cores) in codes.items():
                         print(f"timing {backend}, {code} ...", file=sys.stderr, flush=True)
                         page = context.new_page()  # a fresh page: fresh modules, no backend started before
+                        if cores:  # before any script of the page runs, so the WASM module reads it at start
+                            page.add_init_script(f"Object.defineProperty(Navigator.prototype, 'hardwareConcurrency', "
+                                                 f"{{ get: () => {cores} }});")
                         page.goto(node.url + "/contribute")
                         results[(backend, code)].append(page.evaluate(
                             TIME_STEPS, [backend, text, args.batch, args.seq_len, args.steps, modules]))
