@@ -220,11 +220,27 @@ export class TopKSelector {
     this.low = new Uint32Array(65536);
   }
 
-  /** [t, ties]: the k-th largest magnitude of `bits` (as a pattern) and how many entries equal to it to keep. */
-  threshold(bits, k) {
-    const n = bits.length, high = this.high, low = this.low;
+  /** residual += grad, element by element, counting the sums' high bits as it goes (select(residual, k, true)). */
+  accumulate(residual, grad) {
+    const n = residual.length, high = this.high;
+    const bits = new Uint32Array(residual.buffer, residual.byteOffset, n);
     high.fill(0);
-    for (let i = 0; i < n; i++) high[(bits[i] >>> 16) & 0x7fff]++; // the sign bit dropped: |x|'s high 16 bits
+    for (let i = 0; i < n; i++) {
+      residual[i] += grad[i];
+      high[(bits[i] >>> 16) & 0x7fff]++;
+    }
+  }
+
+  /**
+   * [t, ties]: the k-th largest magnitude of `bits` (as a pattern) and how many entries equal to it to keep.
+   * counted: the high histogram already holds these bits (accumulate).
+   */
+  threshold(bits, k, counted = false) {
+    const n = bits.length, high = this.high, low = this.low;
+    if (!counted) {
+      high.fill(0);
+      for (let i = 0; i < n; i++) high[(bits[i] >>> 16) & 0x7fff]++; // the sign bit dropped: |x|'s high 16 bits
+    }
     let b = 0x7fff, above = 0;
     while (above + high[b] < k) above += high[b--];
     // The bucket of +infinity and NaN, whose patterns differ while their order here must not: only a gradient with
@@ -250,11 +266,14 @@ export class TopKSelector {
     return [t, k - above];
   }
 
-  /** {indices, values} of the k largest magnitudes of `flat` (a Float32Array), ascending indices, lowest on ties. */
-  select(flat, k) {
+  /**
+   * {indices, values} of the k largest magnitudes of `flat` (a Float32Array), ascending indices, lowest on ties.
+   * counted: `flat` was just accumulated (its high histogram is counted).
+   */
+  select(flat, k, counted = false) {
     const n = flat.length;
     const bits = new Uint32Array(flat.buffer, flat.byteOffset, n);
-    const [t, keepTies] = this.threshold(bits, k);
+    const [t, keepTies] = this.threshold(bits, k, counted);
     let ties = keepTies;
     const indices = new Uint32Array(k);
     const values = new Float32Array(k);
@@ -304,14 +323,23 @@ export class ErrorFeedback {
 
   /** Add this step's gradients and return the sections to encode. */
   step(grads) {
+    if (!(this.fraction > 0 && this.fraction <= 1)) throw new RangeError(`fraction ${this.fraction} not in (0, 1]`);
     if (this.residuals === null) this.residuals = grads.map((g) => new Float32Array(g.length));
     if (grads.length !== this.residuals.length) throw new RangeError('tensor count changed');
     grads.forEach((g, t) => {
-      const r = this.residuals[t];
-      if (g.length !== r.length) throw new RangeError(`tensor ${t}: size changed`);
-      for (let i = 0; i < r.length; i++) r[i] += g[i];
+      if (g.length !== this.residuals[t].length) throw new RangeError(`tensor ${t}: size changed`);
     });
-    const sections = topK(this.residuals, this.fraction, this.selector);
+    // as topK(residuals + grads): one pass adds and counts, the selection reads each residual once more
+    const sections = grads.map((g, t) => {
+      const r = this.residuals[t];
+      const k = Math.max(1, roundHalfEven(r.length * this.fraction));
+      if (k < r.length) {
+        this.selector.accumulate(r, g);
+        return { tensorId: t, ...this.selector.select(r, k, true) };
+      }
+      for (let i = 0; i < r.length; i++) r[i] += g[i];
+      return { tensorId: t, indices: null, values: r.slice() };
+    });
     for (const s of sections) {
       const r = this.residuals[s.tensorId];
       if (s.indices === null) {

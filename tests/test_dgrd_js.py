@@ -230,3 +230,34 @@ def test_topk_exact_on_ties_zeros_and_non_finite(tmp_path):
             k = max(1, round(flat.size * fraction))
             want = _topk_reference(flat, k)
             assert indices == want.tolist(), (name, fraction, k)
+
+
+def test_error_feedback_equals_topk_of_the_sums(tmp_path):
+    """ErrorFeedback's fused add-and-count pass sends what topK(residual + grad) sends and keeps the same residual,
+    to the bit, over steps in both modes, with ties and a tensor small enough to go dense."""
+    code = (
+        f"import {{ErrorFeedback, topK, f16Round}} from {json.dumps((REPO / 'static' / 'dgrd.js').as_uri())};"
+        "let seed = 7; const rnd = () => (seed = (seed * 1103515245 + 12345) % 2147483648) / 2147483648 - 0.5;"
+        "const shapes = [5000, 300, 64, 1]; const bad = [];"
+        "for (const flags of [0, 1]) {"
+        " const ef = new ErrorFeedback(0.02, flags); const ref = shapes.map((n) => new Float32Array(n));"
+        " for (let step = 0; step < 4; step++) {"
+        "  const grads = shapes.map((n, t) => Float32Array.from({ length: n }, (_, i) =>"
+        "   t === 1 ? Math.round(rnd() * 4) : rnd() * 10 ** (-t)));"
+        "  const got = ef.step(grads);"
+        "  ref.forEach((r, t) => { for (let i = 0; i < r.length; i++) r[i] += grads[t][i]; });"
+        "  const want = topK(ref, 0.02);"
+        "  for (const s of want) { const r = ref[s.tensorId];"
+        "   if (s.indices === null) for (let i = 0; i < r.length; i++) r[i] -= f16Round(s.values[i]);"
+        "   else for (let m = 0; m < s.indices.length; m++) r[s.indices[m]] -= flags ? f16Round(s.values[m]) : s.values[m]; }"
+        "  const same = (a, b) => (a === null && b === null) || (a !== null && b !== null && a.length === b.length"
+        "   && a.every((v, i) => Object.is(v, b[i])));"
+        "  want.forEach((s, t) => { if (!same(s.indices, got[t].indices) || !same(s.values, got[t].values))"
+        "   bad.push(`flags ${flags} step ${step} tensor ${t}: sections differ`); });"
+        "  ref.forEach((r, t) => { if (!same(r, ef.residuals[t])) bad.push(`flags ${flags} step ${step} tensor ${t}: residuals differ`); });"
+        " }"
+        "} console.log(JSON.stringify(bad));"
+    )
+    proc = subprocess.run([_node(), "--input-type=module", "-e", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == []
