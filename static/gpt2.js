@@ -11,21 +11,30 @@ function layerNorm(tf, x, weight, bias) {
 }
 
 function geluNew(tf, x) {
-  // x * x * x, not tf.pow(x, 3): Pow and its gradient (pow, log, select) cost 10x the two multiplies on WASM
+  // x * x * x, not tf.pow(x, 3): Pow and its gradient (pow, log, select) took 106 ms of a gradient on WASM
   const inner = tf.mul(GELU_C, tf.add(x, tf.mul(0.044715, tf.mul(tf.mul(x, x), x))));
   return tf.mul(tf.mul(0.5, x), tf.add(1, tf.tanh(inner)));
 }
 
-// a [M, K] @ b [K, N] with a gradient of plain matMuls too. tfjs-backend-wasm hands a matMul to XNNPACK only
-// when neither side is transposed and there is no batch; otherwise it runs a scalar loop about 10x slower, and
-// tf.matMul's own gradient is exactly that (dy @ b^T, a^T @ dy with transpose flags). Transposing explicitly
-// is one copy of a weight-sized tensor against a matmul of M times that work.
+// a @ b, either side transposed. tfjs-backend-wasm hands a matMul to XNNPACK only when neither side is transposed
+// and there is no batch; otherwise it runs a scalar loop about 10x slower. On WASM and CPU the transposes are made
+// explicit: one copy of a weight-sized tensor against a matmul of 252 times its work. GPU backends read transposed
+// operands in the shader for free, and a copy is a whole pass there (WebGL on SwiftShader: 0.61x per contribution).
+const EXPLICIT_TRANSPOSE_BACKENDS = new Set(["wasm", "cpu"]);
+
+function matMulT(tf, a, b, transposeA = false, transposeB = false) {
+  if (!EXPLICIT_TRANSPOSE_BACKENDS.has(tf.getBackend())) return tf.matMul(a, b, transposeA, transposeB);
+  return tf.matMul(transposeA ? tf.transpose(a) : a, transposeB ? tf.transpose(b) : b);
+}
+
+// a [M, K] @ b [K, N] whose gradient is matMulT's too: tf.matMul's own gradient is dy @ b^T and a^T @ dy with
+// transpose flags, the slow path on WASM.
 function matMul2d(tf, a, b) {
   return tf.customGrad((a, b, save) => {
     save([a, b]);
     return {
       value: tf.matMul(a, b),
-      gradFunc: (dy, [a, b]) => [tf.matMul(dy, tf.transpose(b)), tf.matMul(tf.transpose(a), dy)],
+      gradFunc: (dy, [a, b]) => [matMulT(tf, dy, b, false, true), matMulT(tf, a, dy, true, false)],
     };
   })(a, b);
 }
@@ -61,26 +70,28 @@ function embed(tf, wte, tokens) {
   return lookup(wte);
 }
 
-// The tied LM head, h [N, D] @ wte^T -> logits [N, V], through XNNPACK both ways (see matMul2d): the forward
-// multiplies by wte^T (`wteT`, made once per step by stepConstants when given), dh = dlogits @ wte, and
+// The tied LM head, h [N, D] @ wte^T -> logits [N, V], through XNNPACK both ways on WASM (see matMulT): the
+// forward multiplies by wte^T (`wteT`, made once per step by stepConstants when given), dh = dlogits @ wte, and
 // dwte = dlogits^T @ h comes out in wte's own layout. This is most of the model's work: N x V x D three times
 // against N x 12 D^2 per transformer block.
 function lmHead(tf, h, wte, wteT = null) {
   return tf.customGrad((h, wte, save) => {
     save([h, wte]);
     return {
-      value: tf.matMul(h, wteT ?? tf.transpose(wte)),
-      gradFunc: (dy, [h, wte]) => [tf.matMul(dy, wte), tf.matMul(tf.transpose(dy), h)],
+      value: wteT ? tf.matMul(h, wteT) : matMulT(tf, h, wte, false, true),
+      gradFunc: (dy, [h, wte]) => [tf.matMul(dy, wte), matMulT(tf, dy, h, true, false)],
     };
   })(h, wte);
 }
 
 /**
- * What the loss needs from a step's parameters that does not change until the next step: the LM head's wte^T
- * (a 50,257 x D copy, and XNNPACK packs it once per step instead of once per contribution). Kept out of tidy
- * scopes; the caller disposes it (disposeStepConstants) when the parameters change.
+ * What the loss needs from a step's parameters that does not change until the next step: on WASM and CPU the LM
+ * head's wte^T (a 50,257 x D copy, and XNNPACK packs it once per step instead of once per contribution); nothing
+ * on GPU backends. Kept out of tidy scopes; the caller disposes it (disposeStepConstants) when the parameters
+ * change.
  */
 export function stepConstants(tf, names, tensors) {
+  if (!EXPLICIT_TRANSPOSE_BACKENDS.has(tf.getBackend())) return {};
   const wte = tensors[names.indexOf("transformer.wte.weight")];
   return { wteT: tf.keep(tf.transpose(wte)) };
 }
@@ -90,8 +101,8 @@ export function disposeStepConstants(constants) {
 }
 
 // Mean cross-entropy of logits [N, V] against labels [N] (int32), as torch's cross_entropy: log-sum-exp minus the
-// label's logit, with the gradient written out, (softmax - onehot) / N: tf.logSoftmax times a float one-hot
-// matrix and its taped gradient make about ten passes over the N x V logits, this five. (The one-hot is a
+// label's logit, with the gradient written out, (softmax - onehot) / N in five passes over the N x V logits,
+// where tf.logSoftmax times a float one-hot matrix has a taped gradient of about ten. (The one-hot is a
 // scatterND: WASM's OneHot kernel writes int32 whatever dtype is asked, and casting it is one more pass.)
 function crossEntropy(tf, logits, labels) {
   const [N, V] = logits.shape;
@@ -143,8 +154,8 @@ export function lmLoss(tf, config, p, tokens, constants = null) {
 
 /**
  * Loss and gradient of every parameter for one batch. `names` lists the parameters in manifest order and
- * `tensors` holds them ([shape] float32 tensors); `constants`, stepConstants of those tensors (optional: made
- * and dropped inside this call when null). Returns {loss: number, grads: Float32Array[] in that order}.
+ * `tensors` holds them ([shape] float32 tensors); `constants`, stepConstants of those tensors (optional: without
+ * them the LM head transposes wte in this call). Returns {loss: number, grads: Float32Array[] in that order}.
  */
 export async function lossAndGradients(tf, config, names, tensors, tokenIds, batch, seqLen, constants = null) {
   const tokens = tf.tensor2d(tokenIds, [batch, seqLen], "int32");

@@ -81,7 +81,7 @@ def _shakespeare_batch(batch: int, seq_len: int) -> np.ndarray:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("backend", ["wasm", "cpu"])
+@pytest.mark.parametrize("backend", ["wasm", "cpu", "webgl"])
 def test_browser_gradients_equal_pytorch(page, tiny_node, backend):
     tokens = _shakespeare_batch(2, 32)
     page.goto(tiny_node.url + "/contribute")
