@@ -13,7 +13,7 @@ backend's thread pool (tfjs-backend-wasm starts at most half the logical cores: 
 cross-origin isolated or not).
 
     python bench/bench_browser_train.py [--model-config configs/tiny.json] [--batch 4] [--seq-len 64] [--steps 3]
-        [--backends wasm cpu] [--rounds 1] [--baseline 89cd0b0] [--current HEAD]
+        [--backends wasm cpu] [--rounds 1] [--baseline 89cd0b0] [--current HEAD] [--wasm-threads 2]
 """
 from __future__ import annotations
 
