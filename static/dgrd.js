@@ -203,26 +203,88 @@ export function encodeDGRD({ step, nodeId, trainLoss, samples, sections, flags =
   return out;
 }
 
-// k-th smallest (0-based) of a Float32Array, reordering it in place (iterative quickselect).
-function selectKth(a, k) {
-  let lo = 0;
-  let hi = a.length - 1;
-  while (hi > lo) {
-    const mid = (lo + hi) >>> 1;
-    // median of three as pivot
-    let x = a[lo], y = a[mid], z = a[hi];
-    const pivot = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y));
-    let i = lo, j = hi;
-    while (i <= j) {
-      while (a[i] < pivot) i++;
-      while (a[j] > pivot) j--;
-      if (i <= j) { const t = a[i]; a[i] = a[j]; a[j] = t; i++; j--; }
-    }
-    if (k <= j) hi = j;
-    else if (k >= i) lo = i;
-    else return a[k];
+// Magnitudes compared as float32 bit patterns with the sign cleared: for non-negative floats the patterns order as
+// the values do. Every NaN maps to one pattern just above +infinity (NaN counts as the largest magnitude).
+const ABS_MASK = 0x7fffffff;
+const INF_BITS = 0x7f800000;
+const NAN_MAG = INF_BITS + 1;
+
+/**
+ * Exact top-k threshold in linear time, no sort and no copy of the data: a histogram of the magnitudes' high 16
+ * bits finds the bucket holding the k-th largest, a histogram of the low 16 bits inside that bucket finds the
+ * value itself. Holds its two histograms (256 KB each) for reuse across tensors.
+ */
+export class TopKSelector {
+  constructor() {
+    this.high = new Uint32Array(65536);
+    this.low = new Uint32Array(65536);
   }
-  return a[k];
+
+  /** residual += grad, element by element, counting the sums' high bits as it goes (select(residual, k, true)). */
+  accumulate(residual, grad) {
+    const n = residual.length, high = this.high;
+    const bits = new Uint32Array(residual.buffer, residual.byteOffset, n);
+    high.fill(0);
+    for (let i = 0; i < n; i++) {
+      residual[i] += grad[i];
+      high[(bits[i] >>> 16) & 0x7fff]++;
+    }
+  }
+
+  /**
+   * [t, ties]: the k-th largest magnitude of `bits` (as a pattern) and how many entries equal to it to keep.
+   * counted: the high histogram already holds these bits (accumulate).
+   */
+  threshold(bits, k, counted = false) {
+    const n = bits.length, high = this.high, low = this.low;
+    if (!counted) {
+      high.fill(0);
+      for (let i = 0; i < n; i++) high[(bits[i] >>> 16) & 0x7fff]++; // the sign bit dropped: |x|'s high 16 bits
+    }
+    let b = 0x7fff, above = 0;
+    while (above + high[b] < k) above += high[b--];
+    // The bucket of +infinity and NaN, whose patterns differ while their order here must not: only a gradient with
+    // k entries of infinity or NaN gets here, and is counted again with every NaN as one magnitude.
+    if (b >= INF_BITS >>> 16) return this._thresholdNaNAsOne(bits, k);
+    low.fill(0);
+    for (let i = 0; i < n; i++) {
+      const a = bits[i] & ABS_MASK;
+      if (a >>> 16 === b) low[a & 0xffff]++;
+    }
+    let c = 0xffff;
+    while (above + low[c] < k) above += low[c--];
+    return [(b << 16) | c, k - above];
+  }
+
+  _thresholdNaNAsOne(bits, k) {
+    const mags = new Uint32Array(bits.length);
+    for (let i = 0; i < bits.length; i++) { const a = bits[i] & ABS_MASK; mags[i] = a > INF_BITS ? NAN_MAG : a; }
+    const sorted = mags.slice().sort();
+    const t = sorted[bits.length - k];
+    let above = 0;
+    for (let i = 0; i < mags.length; i++) if (mags[i] > t) above++;
+    return [t, k - above];
+  }
+
+  /**
+   * {indices, values} of the k largest magnitudes of `flat` (a Float32Array), ascending indices, lowest on ties.
+   * counted: `flat` was just accumulated (its high histogram is counted).
+   */
+  select(flat, k, counted = false) {
+    const n = flat.length;
+    const bits = new Uint32Array(flat.buffer, flat.byteOffset, n);
+    const [t, keepTies] = this.threshold(bits, k, counted);
+    let ties = keepTies;
+    const indices = new Uint32Array(k);
+    const values = new Float32Array(k);
+    let m = 0;
+    for (let i = 0; i < n && m < k; i++) {
+      let a = bits[i] & ABS_MASK;
+      if (a > INF_BITS) a = NAN_MAG;
+      if (a > t || (a === t && ties-- > 0)) { indices[m] = i; values[m] = flat[i]; m++; }
+    }
+    return { indices, values };
+  }
 }
 
 /**
@@ -233,7 +295,7 @@ function selectKth(a, k) {
  * unspecified order, this keeps the lowest indices. Results match Python when the threshold
  * magnitude is unique (e.g. random data). NaN counts as the largest magnitude.
  */
-export function topK(grads, fraction) {
+export function topK(grads, fraction, selector = new TopKSelector()) {
   if (!(fraction > 0 && fraction <= 1)) throw new RangeError(`fraction ${fraction} not in (0, 1]`);
   const out = [];
   grads.forEach((g, tid) => {
@@ -241,20 +303,7 @@ export function topK(grads, fraction) {
     const n = flat.length;
     const k = Math.max(1, roundHalfEven(n * fraction));
     if (k >= n) { out.push({ tensorId: tid, indices: null, values: flat.slice() }); return; }
-    const mag = new Float32Array(n);
-    for (let i = 0; i < n; i++) { const v = Math.abs(flat[i]); mag[i] = v === v ? v : Infinity; }
-    const thr = selectKth(mag, n - k);
-    let above = 0;
-    for (let i = 0; i < n; i++) { const v = Math.abs(flat[i]); if (v > thr || v !== v) above++; }
-    let ties = k - above;
-    const indices = new Uint32Array(k);
-    const values = new Float32Array(k);
-    let m = 0;
-    for (let i = 0; i < n && m < k; i++) {
-      const v = Math.abs(flat[i]);
-      if (v > thr || v !== v || (v === thr && ties-- > 0)) { indices[m] = i; values[m] = flat[i]; m++; }
-    }
-    out.push({ tensorId: tid, indices, values });
+    out.push({ tensorId: tid, ...selector.select(flat, k) });
   });
   return out;
 }
@@ -269,18 +318,28 @@ export class ErrorFeedback {
     this.fraction = fraction;
     this.flags = flags;
     this.residuals = null;
+    this.selector = new TopKSelector();
   }
 
   /** Add this step's gradients and return the sections to encode. */
   step(grads) {
+    if (!(this.fraction > 0 && this.fraction <= 1)) throw new RangeError(`fraction ${this.fraction} not in (0, 1]`);
     if (this.residuals === null) this.residuals = grads.map((g) => new Float32Array(g.length));
     if (grads.length !== this.residuals.length) throw new RangeError('tensor count changed');
     grads.forEach((g, t) => {
-      const r = this.residuals[t];
-      if (g.length !== r.length) throw new RangeError(`tensor ${t}: size changed`);
-      for (let i = 0; i < r.length; i++) r[i] += g[i];
+      if (g.length !== this.residuals[t].length) throw new RangeError(`tensor ${t}: size changed`);
     });
-    const sections = topK(this.residuals, this.fraction);
+    // as topK(residuals + grads): one pass adds and counts, the selection reads each residual once more
+    const sections = grads.map((g, t) => {
+      const r = this.residuals[t];
+      const k = Math.max(1, roundHalfEven(r.length * this.fraction));
+      if (k < r.length) {
+        this.selector.accumulate(r, g);
+        return { tensorId: t, ...this.selector.select(r, k, true) };
+      }
+      for (let i = 0; i < r.length; i++) r[i] += g[i];
+      return { tensorId: t, indices: null, values: r.slice() };
+    });
     for (const s of sections) {
       const r = this.residuals[s.tensorId];
       if (s.indices === null) {

@@ -11,15 +11,39 @@ function layerNorm(tf, x, weight, bias) {
 }
 
 function geluNew(tf, x) {
-  const inner = tf.mul(GELU_C, tf.add(x, tf.mul(0.044715, tf.pow(x, 3))));
+  // x * x * x, not tf.pow(x, 3): Pow and its gradient (pow, log, select) took 106 ms of a gradient on WASM
+  const inner = tf.mul(GELU_C, tf.add(x, tf.mul(0.044715, tf.mul(tf.mul(x, x), x))));
   return tf.mul(tf.mul(0.5, x), tf.add(1, tf.tanh(inner)));
+}
+
+// a @ b, either side transposed. tfjs-backend-wasm hands a matMul to XNNPACK only when neither side is transposed
+// and there is no batch; otherwise it runs a scalar loop about 10x slower. On WASM and CPU the transposes are made
+// explicit: one copy of a weight-sized tensor against a matmul of 252 times its work. GPU backends read transposed
+// operands in the shader for free, and a copy is a whole pass there (WebGL on SwiftShader: 0.61x per contribution).
+const EXPLICIT_TRANSPOSE_BACKENDS = new Set(["wasm", "cpu"]);
+
+function matMulT(tf, a, b, transposeA = false, transposeB = false) {
+  if (!EXPLICIT_TRANSPOSE_BACKENDS.has(tf.getBackend())) return tf.matMul(a, b, transposeA, transposeB);
+  return tf.matMul(transposeA ? tf.transpose(a) : a, transposeB ? tf.transpose(b) : b);
+}
+
+// a [M, K] @ b [K, N] whose gradient is matMulT's too: tf.matMul's own gradient is dy @ b^T and a^T @ dy with
+// transpose flags, the slow path on WASM.
+function matMul2d(tf, a, b) {
+  return tf.customGrad((a, b, save) => {
+    save([a, b]);
+    return {
+      value: tf.matMul(a, b),
+      gradFunc: (dy, [a, b]) => [matMulT(tf, dy, b, false, true), matMulT(tf, a, dy, true, false)],
+    };
+  })(a, b);
 }
 
 // Conv1D of transformers: x [..., in] @ weight [in, out] + bias
 function conv1d(tf, x, weight, bias) {
   const shape = x.shape;
   const flat = tf.reshape(x, [-1, shape[shape.length - 1]]);
-  const out = tf.add(tf.matMul(flat, weight), bias);
+  const out = tf.add(matMul2d(tf, flat, weight), bias);
   return tf.reshape(out, [...shape.slice(0, -1), weight.shape[1]]);
 }
 
@@ -46,6 +70,57 @@ function embed(tf, wte, tokens) {
   return lookup(wte);
 }
 
+// The tied LM head, h [N, D] @ wte^T -> logits [N, V], through XNNPACK both ways on WASM (see matMulT): the
+// forward multiplies by wte^T (`wteT`, made once per step by stepConstants when given), dh = dlogits @ wte, and
+// dwte = dlogits^T @ h comes out in wte's own layout. This is most of the model's work: N x V x D three times
+// against N x 12 D^2 per transformer block.
+function lmHead(tf, h, wte, wteT = null) {
+  return tf.customGrad((h, wte, save) => {
+    save([h, wte]);
+    return {
+      value: wteT ? tf.matMul(h, wteT) : matMulT(tf, h, wte, false, true),
+      gradFunc: (dy, [h, wte]) => [tf.matMul(dy, wte), matMulT(tf, dy, h, true, false)],
+    };
+  })(h, wte);
+}
+
+/**
+ * What the loss needs from a step's parameters that does not change until the next step: on WASM and CPU the LM
+ * head's wte^T (a 50,257 x D copy, and XNNPACK packs it once per step instead of once per contribution); nothing
+ * on GPU backends. Kept out of tidy scopes; the caller disposes it (disposeStepConstants) when the parameters
+ * change.
+ */
+export function stepConstants(tf, names, tensors) {
+  if (!EXPLICIT_TRANSPOSE_BACKENDS.has(tf.getBackend())) return {};
+  const wte = tensors[names.indexOf("transformer.wte.weight")];
+  return { wteT: tf.keep(tf.transpose(wte)) };
+}
+
+export function disposeStepConstants(constants) {
+  if (constants) Object.values(constants).forEach((t) => t.dispose());
+}
+
+// Mean cross-entropy of logits [N, V] against labels [N] (int32), as torch's cross_entropy: log-sum-exp minus the
+// label's logit, with the gradient written out, (softmax - onehot) / N in five passes over the N x V logits,
+// where tf.logSoftmax times a float one-hot matrix has a taped gradient of about ten. (The one-hot is a
+// scatterND: WASM's OneHot kernel writes int32 whatever dtype is asked, and casting it is one more pass.)
+function crossEntropy(tf, logits, labels) {
+  const [N, V] = logits.shape;
+  const flatIndex = tf.add(labels, tf.mul(tf.range(0, N, 1, "int32"), tf.scalar(V, "int32"))); // row * V + label
+  return tf.customGrad((logits, save) => {
+    const lse = tf.logSumExp(logits, -1, true); // [N, 1]
+    const picked = tf.gather(tf.reshape(logits, [-1]), flatIndex); // [N]
+    save([logits, lse, flatIndex]);
+    return {
+      value: tf.mean(tf.sub(tf.reshape(lse, [-1]), picked)),
+      gradFunc: (dy, [logits, lse, flatIndex]) => {
+        const oneHot = tf.scatterND(tf.reshape(flatIndex, [N, 1]), tf.ones([N]), [N * V]);
+        return tf.mul(tf.sub(tf.exp(tf.sub(logits, lse)), tf.reshape(oneHot, [N, V])), tf.div(dy, N));
+      },
+    };
+  })(logits);
+}
+
 function causalMask(tf, T) {
   const values = new Float32Array(T * T);
   for (let i = 0; i < T; i++) for (let j = i + 1; j < T; j++) values[i * T + j] = -1e9;
@@ -56,7 +131,7 @@ function causalMask(tf, T) {
  * Mean next-token cross-entropy of `tokens` ([B, T] int32 tensor) under parameters `p` (name -> tensor), exactly
  * as GPT2LMHeadModel(input_ids=tokens, labels=tokens).loss: positions 0..T-2 predict tokens 1..T-1.
  */
-export function lmLoss(tf, config, p, tokens) {
+export function lmLoss(tf, config, p, tokens, constants = null) {
   const [B, T] = tokens.shape;
   const wpe = p["transformer.wpe.weight"];
   let x = tf.add(embed(tf, p["transformer.wte.weight"], tokens), tf.slice(wpe, [0, 0], [T, wpe.shape[1]]));
@@ -72,21 +147,20 @@ export function lmLoss(tf, config, p, tokens) {
   x = layerNorm(tf, x, p["transformer.ln_f.weight"], p["transformer.ln_f.bias"]);
   const D = x.shape[2];
   const h = tf.reshape(tf.slice(x, [0, 0, 0], [B, T - 1, D]), [B * (T - 1), D]);
-  const logits = tf.matMul(h, p["transformer.wte.weight"], false, true); // tied LM head: [N, V]
+  const logits = lmHead(tf, h, p["transformer.wte.weight"], constants?.wteT); // tied LM head: [N, V]
   const labels = tf.reshape(tf.slice(tokens, [0, 1], [B, T - 1]), [-1]);
-  const logProbs = tf.logSoftmax(logits, -1);
-  const picked = tf.sum(tf.mul(logProbs, tf.oneHot(labels, logits.shape[1])), -1);
-  return tf.neg(tf.mean(picked));
+  return crossEntropy(tf, logits, labels);
 }
 
 /**
  * Loss and gradient of every parameter for one batch. `names` lists the parameters in manifest order and
- * `tensors` holds them ([shape] float32 tensors). Returns {loss: number, grads: Float32Array[] in that order}.
+ * `tensors` holds them ([shape] float32 tensors); `constants`, stepConstants of those tensors (optional: without
+ * them the LM head transposes wte in this call). Returns {loss: number, grads: Float32Array[] in that order}.
  */
-export async function lossAndGradients(tf, config, names, tensors, tokenIds, batch, seqLen) {
+export async function lossAndGradients(tf, config, names, tensors, tokenIds, batch, seqLen, constants = null) {
   const tokens = tf.tensor2d(tokenIds, [batch, seqLen], "int32");
   try {
-    const f = (...xs) => lmLoss(tf, config, Object.fromEntries(names.map((n, i) => [n, xs[i]])), tokens);
+    const f = (...xs) => lmLoss(tf, config, Object.fromEntries(names.map((n, i) => [n, xs[i]])), tokens, constants);
     const { value, grads } = tf.valueAndGrads(f)(tensors);
     try {
       const loss = (await value.data())[0];

@@ -2,7 +2,7 @@
 // computes GPT-2's gradients with TensorFlow.js on the fastest backend the browser has, and submits DGRD packets.
 // Plain ES module: runs in a Web Worker (static/contribute_worker.js) or on a page.
 
-import { lossAndGradients } from "./gpt2.js";
+import { disposeStepConstants, lossAndGradients, stepConstants } from "./gpt2.js";
 import { ErrorFeedback, FLAGS_MODE1, encodeDGRD } from "./dgrd.js";
 import { cacheDropOtherSteps, cacheGet, cachePut, f16BytesToF32 } from "./weights.js";
 import { GPT2Tokenizer } from "./tokenizer.js";
@@ -104,9 +104,10 @@ export class BrowserTrainer {
     this.manifest = null;
     this.step = null; // the step of the loaded parameters
     this.tensors = null; // tf tensors in manifest order
+    this.constants = null; // gpt2.js stepConstants of `tensors`: what every contribution at this step reuses
     // trainMs: time spent in accepted contributions (batch, gradients, encode, submit), not in model downloads
     this.stats = { downloadedBytes: 0, cacheHits: 0, steps: 0, samples: 0, tokens: 0, trainMs: 0, lastMs: null,
-                   lastLoss: null, refetches: 0 };
+                   lastSplitMs: null, lastLoss: null, refetches: 0 };
     this._tokens = null; // token ids of `text`
     this._stopped = false;
   }
@@ -126,6 +127,8 @@ export class BrowserTrainer {
       if (arrays === null) continue; // the step moved on mid-download
       this.tensors?.forEach((t) => t.dispose());
       this.tensors = this.manifest.map((t, i) => this.tf.tensor(arrays[i], t.shape, "float32"));
+      disposeStepConstants(this.constants);
+      this.constants = stepConstants(this.tf, this.manifest.map((t) => t.name), this.tensors);
       this.step = info.step;
       await cacheDropOtherSteps(this._cachePrefix(), info.step);
       this.onEvent({ type: "model", step: info.step, ...this.stats });
@@ -190,7 +193,7 @@ export class BrowserTrainer {
   /** Gradients of one batch at the loaded step: {loss, grads: Float32Array[] in manifest order}. */
   async gradients(ids, batch, seqLen) {
     const names = this.manifest.map((t) => t.name);
-    return lossAndGradients(this.tf, this.config, names, this.tensors, ids, batch, seqLen);
+    return lossAndGradients(this.tf, this.config, names, this.tensors, ids, batch, seqLen, this.constants);
   }
 
   /** One contribution: batch, gradients, DGRD packet, submit. Returns the node's answer and what was sent. */
@@ -198,10 +201,14 @@ export class BrowserTrainer {
     if (this.tensors === null) await this.loadModel();
     const t0 = performance.now();
     const { ids, batch, seqLen } = await this.nextBatch();
+    const t1 = performance.now();
     const { loss, grads } = await this.gradients(ids, batch, seqLen);
     if (!Number.isFinite(loss)) throw new TrainerError(`the loss is ${loss}; not submitting`);
+    const t2 = performance.now();
     const sections = this.feedback.step(grads);
+    const t3 = performance.now();
     const packet = encodeDGRD({ step: this.step, nodeId: this.nodeId, trainLoss: loss, samples: batch, sections });
+    const t4 = performance.now();
     const r = await fetchOrThrow(this.url("/api/v1/train/submit"), {
       method: "POST", body: packet, headers: { "Content-Type": "application/octet-stream" },
     }, "submit");
@@ -214,7 +221,10 @@ export class BrowserTrainer {
       return { status: 409, loss, serverStep: body.server_step };
     }
     if (!r.ok) throw new TrainerError(`submit: ${body.message}`, r.status);
-    this.stats.lastMs = performance.now() - t0;
+    const t5 = performance.now();
+    // where the contribution's time went (ms): selection is top-k with error feedback, submit includes the answer
+    this.stats.lastSplitMs = { batch: t1 - t0, gradient: t2 - t1, select: t3 - t2, encode: t4 - t3, submit: t5 - t4 };
+    this.stats.lastMs = t5 - t0;
     this.stats.trainMs += this.stats.lastMs;
     this.stats.steps++;
     this.stats.samples += batch;
@@ -234,5 +244,10 @@ export class BrowserTrainer {
 
   stop() { this._stopped = true; }
 
-  dispose() { this.tensors?.forEach((t) => t.dispose()); this.tensors = null; }
+  dispose() {
+    this.tensors?.forEach((t) => t.dispose());
+    this.tensors = null;
+    disposeStepConstants(this.constants);
+    this.constants = null;
+  }
 }

@@ -81,7 +81,7 @@ def _shakespeare_batch(batch: int, seq_len: int) -> np.ndarray:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("backend", ["wasm", "cpu"])
+@pytest.mark.parametrize("backend", ["wasm", "cpu", "webgl"])
 def test_browser_gradients_equal_pytorch(page, tiny_node, backend):
     tokens = _shakespeare_batch(2, 32)
     page.goto(tiny_node.url + "/contribute")
@@ -206,6 +206,16 @@ def test_trainer_refetches_the_model_on_409(page, tiny_node):
     assert len(tiny_node.get_json("/api/v1/server/losses")) == losses + 6  # the stale packet changed nothing
     result = page.evaluate("window.trainer.trainOnce()")  # on the new step it is accepted
     assert result["status"] == 200 and old < new
+    # what the trainer keeps per step (gpt2.js stepConstants: the LM head's wte^T) is the new step's: its gradients
+    # equal those computed with nothing kept, to the bit
+    same = page.evaluate("""async () => {
+        const { lossAndGradients } = await import("/static/gpt2.js");
+        const t = window.trainer, ids = Int32Array.from({ length: 32 }, (_, i) => (i * 7919) % 50257);
+        const kept = await t.gradients(ids, 2, 16);
+        const fresh = await lossAndGradients(t.tf, t.config, t.manifest.map((m) => m.name), t.tensors, ids, 2, 16);
+        return kept.loss === fresh.loss && kept.grads.every((g, i) => g.every((v, j) => Object.is(v, fresh.grads[i][j])));
+    }""")
+    assert same
 
 
 @pytest.fixture

@@ -178,3 +178,86 @@ def test_error_feedback(tmp_path):
     assert out["r1"][1][0] == pytest.approx(dense_err, abs=1e-9)
     # step 2: residual [2, -3, 1, 2] -> keeps |-3| and one of the |2| ties (lowest index: 0)
     assert out["r2"][0] == [0, 0, 1, 2]
+
+
+def _topk_reference(flat: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest |x|, NaN above +inf, the lowest indices first among equals; ascending."""
+    mag = np.abs(flat.astype(np.float64))
+    rank = np.where(np.isnan(flat), np.inf, mag)  # NaN: ranked by the tier below, not by value
+    tier = np.where(np.isnan(flat), 1, 0)
+    order = np.lexsort((np.arange(flat.size), -rank, -tier))  # last key first: tier, then magnitude, then index
+    return np.sort(order[:k])
+
+
+def test_topk_exact_on_ties_zeros_and_non_finite(tmp_path):
+    """The histogram selection keeps exactly the k largest magnitudes (lowest index among equals, NaN largest),
+    on data built to break it: ties across the threshold, one 16-bit bucket holding everything, +-0, subnormals,
+    infinities and NaN in the top k."""
+    r = _rng(11)
+    near = np.float32(1.0) + np.arange(4000, dtype=np.float32) * np.float32(2**-23)  # one high-16-bit bucket
+    cases = {
+        "ties": r.integers(-3, 4, 5000).astype(np.float32),
+        "one_bucket": r.permutation(np.concatenate([near, -near])).astype(np.float32),
+        "all_equal": np.full(3000, -0.5, np.float32),
+        "zeros": np.concatenate([np.zeros(500, np.float32), -np.zeros(500, np.float32), np.float32([1e-45, -1e-45])]),
+        "non_finite": np.concatenate([r.standard_normal(3000), [np.inf, -np.inf, np.nan, np.nan, np.inf] * 8]
+                                     ).astype(np.float32),
+        "nan_over_k": np.concatenate([np.full(100, np.nan), [np.inf, -np.inf], r.standard_normal(900)]
+                                     ).astype(np.float32),
+        "random": r.standard_normal(20011).astype(np.float32),
+    }
+    names = list(cases)
+    for i, name in enumerate(names):
+        (tmp_path / f"{i}.bin").write_bytes(cases[name].astype("<f4").tobytes())
+    fractions = [0.0001, 0.01, 0.03, 0.5, 0.999]
+    code = (
+        "import {readFileSync} from 'node:fs';"
+        f"import {{topK}} from {json.dumps((REPO / 'static' / 'dgrd.js').as_uri())};"
+        f"const out = []; for (let i = 0; i < {len(names)}; i++) {{"
+        " const b = readFileSync(process.argv[1] + '/' + i + '.bin');"
+        " const g = new Float32Array(b.buffer.slice(b.byteOffset, b.byteOffset + b.length));"
+        f" out.push({json.dumps(fractions)}.map((f) => {{ const s = topK([g], f)[0];"
+        "  return s.indices === null ? null : Array.from(s.indices); }));"
+        "} console.log(JSON.stringify(out));"
+    )
+    proc = subprocess.run([_node(), "--input-type=module", "-e", code, str(tmp_path)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    for name, per_fraction in zip(names, got):
+        flat = cases[name]
+        for fraction, indices in zip(fractions, per_fraction):
+            k = max(1, round(flat.size * fraction))
+            want = _topk_reference(flat, k)
+            assert indices == want.tolist(), (name, fraction, k)
+
+
+def test_error_feedback_equals_topk_of_the_sums(tmp_path):
+    """ErrorFeedback's fused add-and-count pass sends what topK(residual + grad) sends and keeps the same residual,
+    to the bit, over steps in both modes, with ties and a tensor small enough to go dense."""
+    code = (
+        f"import {{ErrorFeedback, topK, f16Round}} from {json.dumps((REPO / 'static' / 'dgrd.js').as_uri())};"
+        "let seed = 7; const rnd = () => (seed = (seed * 1103515245 + 12345) % 2147483648) / 2147483648 - 0.5;"
+        "const shapes = [5000, 300, 64, 1]; const bad = [];"
+        "for (const flags of [0, 1]) {"
+        " const ef = new ErrorFeedback(0.02, flags); const ref = shapes.map((n) => new Float32Array(n));"
+        " for (let step = 0; step < 4; step++) {"
+        "  const grads = shapes.map((n, t) => Float32Array.from({ length: n }, (_, i) =>"
+        "   t === 1 ? Math.round(rnd() * 4) : rnd() * 10 ** (-t)));"
+        "  const got = ef.step(grads);"
+        "  ref.forEach((r, t) => { for (let i = 0; i < r.length; i++) r[i] += grads[t][i]; });"
+        "  const want = topK(ref, 0.02);"
+        "  for (const s of want) { const r = ref[s.tensorId];"
+        "   if (s.indices === null) for (let i = 0; i < r.length; i++) r[i] -= f16Round(s.values[i]);"
+        "   else for (let m = 0; m < s.indices.length; m++) r[s.indices[m]] -= flags ? f16Round(s.values[m]) : s.values[m]; }"
+        "  const same = (a, b) => (a === null && b === null) || (a !== null && b !== null && a.length === b.length"
+        "   && a.every((v, i) => Object.is(v, b[i])));"
+        "  want.forEach((s, t) => { if (!same(s.indices, got[t].indices) || !same(s.values, got[t].values))"
+        "   bad.push(`flags ${flags} step ${step} tensor ${t}: sections differ`); });"
+        "  ref.forEach((r, t) => { if (!same(r, ef.residuals[t])) bad.push(`flags ${flags} step ${step} tensor ${t}: residuals differ`); });"
+        " }"
+        "} console.log(JSON.stringify(bad));"
+    )
+    proc = subprocess.run([_node(), "--input-type=module", "-e", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == []

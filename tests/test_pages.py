@@ -107,6 +107,10 @@ def test_contribute_shows_its_loss_curve_rates_and_backend(page, site_node):
 
     samples_rate, tokens_rate = float(page.inner_text("#samples-rate")), float(page.inner_text("#tokens-rate"))
     assert samples_rate > 0 and float(page.inner_text("#step-time")) > 0
+    # where the last contribution's time went: its parts, none more than the whole, the gradient a real share
+    split = dict(part.rsplit(" ", 1) for part in page.inner_text("#step-split").split(" · "))
+    assert list(split) == ["gradient", "top-k", "encode", "submit"], split
+    assert 0 < float(split["gradient"]) and sum(map(float, split.values())) <= float(page.inner_text("#step-time")) + 0.02
     # a contribution is 4 sequences of min(64, max_seq_len = 64) tokens: tokens/s is 64 x samples/s
     assert tokens_rate == pytest.approx(64 * samples_rate, rel=0.01, abs=1)
 
