@@ -73,30 +73,16 @@ class CommittingGradientAverager(GradientAverager):
     all-reduce was complete, else an `AbortedRound` (never an exception, so hivemind does not retry a round with
     tensors a failed attempt has half averaged)."""
 
-    def __init__(self, *args, **kwargs):
-        self._incomplete: dict[bytes, str] = {}  # group id -> why this member's all-reduce was not complete
-        super().__init__(*args, **kwargs)
-
-    async def _run_allreduce_inplace_(self, tensors, group_info: GroupInfo, group_id: Optional[bytes] = None,
-                                      **kwargs):
-        group_id = group_info.group_id if group_id is None else group_id
-        await super()._run_allreduce_inplace_(tensors, group_info, group_id=group_id, **kwargs)
-        reason = incompleteness(self._running_groups[group_id].result())
-        if reason is None:
-            self._incomplete.pop(group_id, None)
-        else:
-            self._incomplete[group_id] = reason
-
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
         began = get_dht_time()
         publish_by, decide_by = commit_window(self._allreduce_timeout)
         group_id = group_info.group_id
-        self._incomplete[group_id] = "the all-reduce did not finish"
         try:
             gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+            # the round's runner stays registered until this returns (DecentralizedAverager._step)
+            reason = incompleteness(self._running_groups[group_id].result())
         except Exception as e:  # hivemind wraps every failure of the round in a MatchmakingException
-            gathered, self._incomplete[group_id] = None, f"the all-reduce failed ({e})"
-        reason = self._incomplete.pop(group_id, None)
+            gathered, reason = None, f"the all-reduce failed ({e})"
         if reason is None and get_dht_time() > began + publish_by:
             reason = f"the all-reduce ended after the commit window ({publish_by:.1f}s)"
         key = record_key(self.prefix, group_id)

@@ -100,10 +100,6 @@ class PacedTracker(ProgressTracker):
         return get_dht_time() if self.ready_to_update_epoch else float("inf")
 
 
-class RoundAbortedError(Exception):
-    """The gradient round's commit step found a member whose all-reduce was incomplete (node.commit)."""
-
-
 class SwarmOptimizer(hivemind.Optimizer):
     """hivemind.Optimizer that applies this peer's exact gradient whenever the swarm's average is unavailable and
     reports the outcome of every update (`last_round`).
@@ -164,11 +160,12 @@ class SwarmOptimizer(hivemind.Optimizer):
             # longer than that, this peer never uses its own gradient while the others apply a round it committed
             bound = max(0.0, maybe_step_control.deadline - get_dht_time()) + self.allreduce_timeout + 1.0
             group_info = maybe_step_control.result(bound)
-            if isinstance(group_info, AbortedRound):
-                raise RoundAbortedError(group_info.reason)
-            self._load_averaged_gradients_into_optimizer_()
+            if not isinstance(group_info, AbortedRound):
+                self._load_averaged_gradients_into_optimizer_()
         except BaseException as e:
-            logger.info(f"Gradient averaging failed ({e!r}): this update uses this peer's own gradient")
+            group_info = AbortedRound(repr(e))
+        if isinstance(group_info, AbortedRound):
+            logger.info(f"Gradient averaging failed ({group_info.reason}): this update uses this peer's own gradient")
             self._load_local_gradients_into_optimizer()
             return
         logger.info(f"Averaged gradients with {len(group_info)} peers")

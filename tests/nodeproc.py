@@ -104,8 +104,9 @@ class NodeProcess:
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         self.log_path = LOG_DIR / f"{run_id}-{name}.log"
         if env:  # an environment of its own: a cold start
-            self.proc = subprocess.Popen([sys.executable, "-m", "dtrain.cli", *argv], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                         text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+            self.proc = subprocess.Popen([sys.executable, "-m", "dtrain.cli", *argv], cwd=REPO, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
         else:
             self.proc = _WARM.start(argv)
         self._reader = threading.Thread(target=self._read, daemon=True)
