@@ -287,6 +287,15 @@ export class TopKSelector {
   }
 }
 
+function checkFraction(fraction) {
+  if (!(fraction > 0 && fraction <= 1)) throw new RangeError(`fraction ${fraction} not in (0, 1]`);
+}
+
+// how many of a tensor's n entries top-k keeps: max(1, round-half-even(n * fraction)); n or more means dense
+function keptEntries(n, fraction) {
+  return Math.max(1, roundHalfEven(n * fraction));
+}
+
 /**
  * Keep the `fraction` largest-magnitude entries of each gradient (at least one), like Python's
  * topk_sections: k = max(1, round-half-even(n * fraction)); a tensor keeping every element is
@@ -296,12 +305,12 @@ export class TopKSelector {
  * magnitude is unique (e.g. random data). NaN counts as the largest magnitude.
  */
 export function topK(grads, fraction, selector = new TopKSelector()) {
-  if (!(fraction > 0 && fraction <= 1)) throw new RangeError(`fraction ${fraction} not in (0, 1]`);
+  checkFraction(fraction);
   const out = [];
   grads.forEach((g, tid) => {
     const flat = g instanceof Float32Array ? g : Float32Array.from(g);
     const n = flat.length;
-    const k = Math.max(1, roundHalfEven(n * fraction));
+    const k = keptEntries(n, fraction);
     if (k >= n) { out.push({ tensorId: tid, indices: null, values: flat.slice() }); return; }
     out.push({ tensorId: tid, ...selector.select(flat, k) });
   });
@@ -323,7 +332,7 @@ export class ErrorFeedback {
 
   /** Add this step's gradients and return the sections to encode. */
   step(grads) {
-    if (!(this.fraction > 0 && this.fraction <= 1)) throw new RangeError(`fraction ${this.fraction} not in (0, 1]`);
+    checkFraction(this.fraction);
     if (this.residuals === null) this.residuals = grads.map((g) => new Float32Array(g.length));
     if (grads.length !== this.residuals.length) throw new RangeError('tensor count changed');
     grads.forEach((g, t) => {
@@ -332,7 +341,7 @@ export class ErrorFeedback {
     // as topK(residuals + grads): one pass adds and counts, the selection reads each residual once more
     const sections = grads.map((g, t) => {
       const r = this.residuals[t];
-      const k = Math.max(1, roundHalfEven(r.length * this.fraction));
+      const k = keptEntries(r.length, this.fraction);
       if (k < r.length) {
         this.selector.accumulate(r, g);
         return { tensorId: t, ...this.selector.select(r, k, true) };
