@@ -178,12 +178,6 @@ async def post_all(url: str, packets: list[bytes], concurrent: bool = False) -> 
         return [await one(p) for p in packets]
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, every thread (/proc/PID/stat fields 14 and 15)."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def vm_kib(pid: int, field: str) -> int:
     for line in open(f"/proc/{pid}/status"):
         if line.startswith(field + ":"):
@@ -197,7 +191,7 @@ def http_main(args, cases, warm_up: list[bytes]) -> None:
     import subprocess
     import tempfile
     from pathlib import Path
-    from tests.nodeproc import NodeProcess, free_port, new_run_id, wait_cpu_idle, wait_until
+    from tests.nodeproc import NodeProcess, cpu_seconds, free_port, new_run_id, wait_cpu_idle, wait_until
 
     repo = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as d:

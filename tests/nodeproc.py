@@ -244,19 +244,19 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, every thread (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def wait_cpu_idle(pid: int, timeout_s: float = 60.0, busy_fraction: float = 0.05, window_s: float = 1.0) -> float:
     """Wait (bounded) until process `pid` uses under `busy_fraction` of a core over `window_s`: a node that printed
     it is ready still loads its serving weights for a while, which a benchmark must not time. Returns seconds."""
-    tick = os.sysconf("SC_CLK_TCK")
-
-    def cpu_s() -> float:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
-        before = cpu_s()
+        before = cpu_seconds(pid)
         time.sleep(window_s)
-        if cpu_s() - before < busy_fraction * window_s:
+        if cpu_seconds(pid) - before < busy_fraction * window_s:
             break
     return time.monotonic() - start
