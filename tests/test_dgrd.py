@@ -423,3 +423,16 @@ def test_every_entry_around_a_gathering_boundary_is_checked():
         out[BIG_BODIES[body][0] + 3 * entry + 2] |= 0x7C
         with pytest.raises(PacketError, match=f"tensor {tid}: value at entry {entry} is not finite"):
             dgrd.decode(bytes(out), BIG)
+
+
+def test_a_section_whose_skips_sum_past_2_to_the_32_is_out_of_bounds():
+    """Pieces of a section are summed in uint32, the section in int64: 16,843,010 skips of 255 sum to 2**32 + 254,
+    which a 32-bit total would wrap to 254 and let a packet whose last index is past 4 billion through."""
+    nnz, elements = 16_843_010, 40_000_000
+    entries = np.zeros(3 * nnz, np.uint8)
+    entries[0::3] = 255
+    head = struct.pack("<4sHHII", b"DGRD", 1, dgrd.FLAGS_MODE2, 1, 1) + b"n" + struct.pack("<fII", 1.0, 1, 1)
+    data = head + struct.pack("<II", 0, nnz) + entries.tobytes()
+    # the indices are 255, 511, ... 256 j + 255: the first past the end is 256 * 156250 + 255
+    with pytest.raises(PacketError, match="tensor 0: index 40000255 >= 40000000 elements"):
+        dgrd.decode(data, [elements])
