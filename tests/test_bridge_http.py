@@ -9,6 +9,7 @@ import http.client
 import json
 import math
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -316,6 +317,49 @@ def test_submit_400_every_malformed_case(node, elements):
         body = assert_error(submit(node, packet), 400, word)
         assert body["server_step"] == step, name
     assert current_step(node) == step
+
+
+def _send_in_pieces(node, packet: bytes, pieces: int = 10, pause_s: float = 0.05) -> Answer:
+    """POST `packet` a piece at a time, pausing between pieces: the node reads the first while the rest has not
+    been sent."""
+    conn = http.client.HTTPConnection("127.0.0.1", node.port, timeout=30)
+    try:
+        conn.putrequest("POST", SUBMIT)
+        conn.putheader("Content-Type", "application/octet-stream")
+        conn.putheader("Content-Length", str(len(packet)))
+        conn.endheaders()
+        size = -(-len(packet) // pieces)
+        for start in range(0, len(packet), size):
+            conn.send(packet[start:start + size])
+            time.sleep(pause_s)
+        resp = conn.getresponse()
+        return Answer(resp, resp.read())
+    finally:
+        conn.close()
+
+
+def test_submit_a_large_packet_sent_in_pieces(node, elements):
+    """A Mode 2 body of several MB (a huge-page body buffer) sent in pieces with pauses between them: a value that is
+    not finite two thirds in is named as decode names it, and nothing is applied; without it the packet is
+    accepted and makes one update."""
+    step = current_step(node)
+    rng = np.random.default_rng(3)
+    idx = np.sort(rng.choice(elements[0], elements[0] * 9 // 10, replace=False))
+    good = dgrd.encode(step, "large", 1.0, 1, [(1, np.array([0, 3]), np.ones(2)),
+                                               (0, idx, rng.standard_normal(idx.size))], dgrd.FLAGS_MODE2)
+    assert len(good) > 4 << 20
+    bad = bytearray(good)
+    # every exponent bit of an entry's value: the sparse bodies start at byte 1 mod 3 (33 + 8 + 6 + 8 = 55), so the
+    # bytes at 0 mod 3 are the values' high bytes
+    bad[len(good) * 2 // 3 // 3 * 3] |= 0x7C
+    with pytest.raises(dgrd.PacketError) as expected:
+        dgrd.decode(bytes(bad), elements)
+    assert "not finite" in str(expected.value)
+    body = assert_error(_send_in_pieces(node, bytes(bad)), 400, str(expected.value))
+    assert body["server_step"] == step and current_step(node) == step
+    a = _send_in_pieces(node, good)
+    assert a.status == 200 and a.json()["server_step"] == step
+    wait_step(node, step + 1)
 
 
 def test_submit_409_stale_and_future(node):
