@@ -11,7 +11,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: setup node test bench clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt setup.py bridge/_dgrd_native.c
 	@echo "==> Python environment in $(VENV): torch (CPU build, about 1 GB) first, then the pinned dependencies"
 	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned: anything unpinned would pull a multi-GB CUDA build

@@ -57,6 +57,7 @@ SECTION = struct.Struct("<II")  # tensor_id, nnz
 MODE1_ENTRY = np.dtype([("i", "<u4"), ("v", "<f4")])  # itemsize 8
 MODE2_ENTRY = np.dtype([("s", "<u1"), ("v", "<f2")])  # packed, itemsize 3
 DENSE_ENTRY = np.dtype("<f2")
+MODE1_ENTRY_BYTES, MODE2_ENTRY_BYTES, DENSE_ENTRY_BYTES = MODE1_ENTRY.itemsize, MODE2_ENTRY.itemsize, DENSE_ENTRY.itemsize
 CHECK_CHUNK_BYTES = 1 << 18  # scratch of one validation pass: 256 KiB, stays in cache
 # Mode 2 entries are 3 bytes: a half's exponent bits are bits 2..6 of the entry's last byte. ANDed with this mask
 # (whole entries, one chunk), a section's bytes are 0x7C somewhere iff a value is not finite: one contiguous pass
@@ -70,6 +71,11 @@ F16_TO_F32 = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.floa
 F16_TO_F32.setflags(write=False)
 
 Buffer = Union[bytes, bytearray, memoryview, np.ndarray]  # np.ndarray: a body from bridge.bodybuf
+
+try:  # the Mode 2 check in one pass of C (bridge/_dgrd_native.c, built by `pip install`): 3x the numpy passes
+    from bridge import _dgrd_native as native
+except ImportError:  # not built (no C compiler where it was installed): the same checks with numpy
+    native = None
 
 
 class PacketError(ValueError):
@@ -190,32 +196,31 @@ Layout = list[tuple[int, int, int, int]]
 def _layout(buf: memoryview, pos: int, n_tensors: int, flags: int, tensor_elements: Sequence[int]
             ) -> tuple[Layout, Optional[PacketError]]:
     """Walk the section headers. Returns the sections up to the first problem of the layout, and that problem
-    (not raised: the values of the sections before it are checked first, as a reading section by section would)."""
+    (not raised: the values of the sections before it are checked first, as a reading section by section would).
+    It runs once per tensor of the model for every packet: nothing in the loop that a good packet does not need."""
     layout: Layout = []
     seen: set[int] = set()
-    entry_bytes = (MODE1_ENTRY if flags == FLAGS_MODE1 else MODE2_ENTRY).itemsize
+    entry_bytes = MODE1_ENTRY_BYTES if flags == FLAGS_MODE1 else MODE2_ENTRY_BYTES
+    length, known, header = len(buf), len(tensor_elements), SECTION.size
     try:
         for k in range(n_tensors):
-            _need(buf, pos, SECTION.size, f"section {k} header")
+            if pos + header > length:
+                _need(buf, pos, header, f"section {k} header")
             tid, nnz = SECTION.unpack_from(buf, pos)
-            pos += SECTION.size
-            if tid >= len(tensor_elements):
-                raise PacketError(f"tensor {tid}: unknown tensor id "
-                                  f"(model has {len(tensor_elements)} tensors)")
+            pos += header
+            if tid >= known:
+                raise PacketError(f"tensor {tid}: unknown tensor id (model has {known} tensors)")
             if tid in seen:
                 raise PacketError(f"tensor {tid}: appears twice in one packet")
             seen.add(tid)
             elements = int(tensor_elements[tid])
-            if nnz == 0:  # Mode 3 whatever flags says
-                size = elements * DENSE_ENTRY.itemsize
-                _need(buf, pos, size, f"tensor {tid} dense body")
-            else:
-                size = nnz * entry_bytes
-                _need(buf, pos, size, f"tensor {tid} body ({nnz} entries)")
+            size = nnz * entry_bytes if nnz else elements * DENSE_ENTRY_BYTES  # nnz == 0: Mode 3 whatever flags says
+            if pos + size > length:
+                _need(buf, pos, size, f"tensor {tid} body ({nnz} entries)" if nnz else f"tensor {tid} dense body")
             layout.append((tid, nnz, pos, elements))
             pos += size
-        if pos != len(buf):
-            raise PacketError(f"trailing bytes: {len(buf) - pos} after the last section")
+        if pos != length:
+            raise PacketError(f"trailing bytes: {length - pos} after the last section")
     except PacketError as e:
         return layout, e
     return layout, None
@@ -255,7 +260,24 @@ def _values_valid(buf: memoryview, layout: Layout, flags: int, scratch: np.ndarr
 
 
 def _mode2_valid(buf: memoryview, sections: list[tuple[int, int, int]], scratch: np.ndarray) -> bool:
-    """Whether the Mode 2 `sections` ((nnz, body offset, elements) each) are within bounds and finite.
+    """Whether the Mode 2 `sections` ((nnz, body offset, elements) each) are within bounds and finite: in one pass
+    of native code when `bridge._dgrd_native` is built, else with numpy (`_mode2_skip_sums_numpy`)."""
+    if not sections:
+        return True
+    nnz, starts, elements = (np.array(column, np.int64) for column in zip(*sections))
+    if native is None:
+        skip_sums = _mode2_skip_sums_numpy(buf, sections, scratch)
+    else:
+        skip_sums = np.empty(len(sections), np.int64)
+        if not native.mode2_scan(buf, starts, nnz, skip_sums):
+            skip_sums = None
+    # every step is >= 1: a section's last index, its largest, is sum(skip) + nnz - 1
+    return skip_sums is not None and bool((skip_sums + nnz - 1 < elements).all())
+
+
+def _mode2_skip_sums_numpy(buf: memoryview, sections: list[tuple[int, int, int]], scratch: np.ndarray
+                           ) -> Optional[np.ndarray]:
+    """Each section's skips summed (int64), or None if a value is not finite.
 
     The entries of consecutive sections are copied back to back (without their 8-byte headers) into a 256 KiB
     gathering buffer, and each full buffer is checked with a handful of whole-array operations: the exponent-mask
@@ -263,8 +285,6 @@ def _mode2_valid(buf: memoryview, sections: list[tuple[int, int, int]], scratch:
     Python; checked one at a time, each section cost a dozen numpy calls, most of the decode time of a 148-section
     GPT-2 packet (the passes over its 4 MB took ~1.3 ms of ~6).
     """
-    if not sections:
-        return True
     cap = MODE2_EXPONENT_MASK.size  # a multiple of 3: a full buffer holds whole entries
     gathered = np.empty(cap, np.uint8)
     into = memoryview(gathered)
@@ -283,15 +303,12 @@ def _mode2_valid(buf: memoryview, sections: list[tuple[int, int, int]], scratch:
             fill, pos, left = fill + take, pos + take, left - take
             if fill == cap:
                 if not _gathered_valid(gathered[:fill], starts, sums, scratch):
-                    return False
+                    return None
                 fill, starts = 0, []
     if fill and not _gathered_valid(gathered[:fill], starts, sums, scratch):
-        return False
-    nnz, _, elements = (np.array(column, np.int64) for column in zip(*sections))
-    # every step is >= 1: a section's last index, its largest, is sum(skip) + nnz - 1; summed in int64 (a section
-    # of 2**24 entries or more may pass 2**32)
-    skip_sums = np.add.reduceat(np.concatenate(sums), first_piece, dtype=np.int64)
-    return bool((skip_sums + nnz - 1 < elements).all())
+        return None
+    # in int64: a section of 2**24 entries or more may pass 2**32
+    return np.add.reduceat(np.concatenate(sums), first_piece, dtype=np.int64)
 
 
 def _gathered_valid(gathered: np.ndarray, starts: list[int], sums: list[np.ndarray], scratch: np.ndarray) -> bool:
