@@ -12,6 +12,9 @@ says which slice.
 after another to a real ``dtrain-node`` (GPT-2 small), next to a ceiling measured in the same run: an aiohttp server
 in another process that only reads the body and answers JSON. It also reports how much the node's peak memory
 (VmHWM, what ``/usr/bin/time -v`` calls maximum resident set size, reset just before) grows in 20 concurrent uploads.
+
+``--http --stages`` takes the node's Mode 2 request path apart: the packet POSTed to small servers (no node) that
+each do one more step of it (``STAGES``), next to the ceiling, in one run.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import platform
 import struct
 import sys
 import time
+from typing import Sequence
 
 import numpy as np
 
@@ -142,20 +146,74 @@ def pick(ids, size_of, budget):
 # --http: a real node next to the ceiling
 
 
-def serve_ceiling(port: int, keep: bool = False) -> None:
+STAGES = {  # --stages: what each small server does with a body, each adding one step of the node's request path
+    "ceiling": "request.read(), answer (the issue's ceiling)",
+    "keep": "request.read(), keep the body (as the node's pool keeps every packet in this run)",
+    "body": "bridge.http.read_body into a bridge.bodybuf buffer (huge pages), keep it",
+    "decode": "read_body, keep, and dgrd.decode on the default executor (the node's whole check)",
+}
+
+
+def serve_ceiling(port: int, keep: bool = False, stage: str = "ceiling", elements: Sequence[int] = ()) -> None:
     """The ceiling: read the whole body, answer the node's JSON. Nothing else; with `keep`, it also keeps every body,
-    as the node's pool keeps every packet in this run (so both servers write each packet to fresh memory)."""
+    as the node's pool keeps every packet in this run (so both servers write each packet to fresh memory). A `stage`
+    other than "ceiling" is one of STAGES: the node's request path up to that step, without the node."""
+    import asyncio
     from aiohttp import web
+    from bridge.bodybuf import body_buffer
+    from bridge.http import read_body
     kept = []
 
     async def submit(request):
-        body = await request.read()
-        if keep:
+        if stage in ("ceiling", "keep"):
+            body = await request.read()
+        else:
+            body = await read_body(request, 1 << 31, body_buffer)
+        if stage == "decode":
+            await asyncio.get_running_loop().run_in_executor(None, dgrd.decode, body, elements)
+        if keep or stage != "ceiling":
             kept.append(body)
         return web.json_response({"ok": True, "message": "ok", "server_step": 1})
-    app = web.Application(client_max_size=1 << 30)
+    app = web.Application(client_max_size=1 << 31)
     app.router.add_post("/api/v1/train/submit", submit)
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+def stages_main(args, packet: bytes, warm_up: list[bytes]) -> None:
+    """--stages: the Mode 2 packet POSTed to one small server per STAGES entry, interleaved, in one run."""
+    import asyncio
+    import json
+    import subprocess
+    from tests.nodeproc import cpu_seconds, free_port, wait_until
+    servers = {}
+    try:
+        for stage in STAGES:
+            port = free_port()
+            servers[stage] = (port, subprocess.Popen([sys.executable, __file__, "--serve-ceiling", str(port),
+                                                      "--stage", stage, "--density", str(args.density)]))
+        for stage, (port, _) in servers.items():
+            wait_until(lambda: _up(f"http://127.0.0.1:{port}/"), 60, f"the {stage} server")
+            asyncio.run(post_all(f"http://127.0.0.1:{port}/api/v1/train/submit", warm_up))
+        times, cpu_s = {s: [] for s in STAGES}, {s: 0.0 for s in STAGES}
+        for _ in range(args.repeats):
+            for stage, (port, proc) in servers.items():
+                cpu = cpu_seconds(proc.pid)
+                times[stage] += asyncio.run(post_all(f"http://127.0.0.1:{port}/api/v1/train/submit", [packet] * 2))
+                cpu_s[stage] += cpu_seconds(proc.pid) - cpu
+    finally:
+        for _, proc in servers.values():
+            proc.terminate()
+            proc.wait(10)
+    print(f"Mode 2 packet ({len(packet) / 1e6:.2f} MB, GPT-2 small, density {args.density:g}) POSTed to one small "
+          f"server per stage, interleaved, {args.repeats} x 2 each; {os.cpu_count()} CPUs.\n")
+    print("| stage | what the server does | best ms | median ms | server CPU ms per packet | best, ratio to ceiling |")
+    print("|---|---|---:|---:|---:|---:|")
+    base = min(times["ceiling"])
+    for stage, what in STAGES.items():
+        t = times[stage]
+        print(f"| {stage} | {what} | {1e3 * min(t):.1f} | {1e3 * np.median(t):.1f} "
+              f"| {1e3 * cpu_s[stage] / len(t):.1f} | {base / min(t):.2f} |")
+    print(json.dumps({s: [round(x * 1e3, 2) for x in t] for s, t in times.items()}), file=sys.stderr)
 
 
 async def post_all(url: str, packets: list[bytes], concurrent: bool = False) -> list[float]:
@@ -266,6 +324,14 @@ def http_main(args, cases, warm_up: list[bytes]) -> None:
           + ("" if reset else " VmHWM could not be reset: the growth is of the peak before the burst."))
 
 
+def _http_shape() -> tuple[int, int, int, int, int]:
+    """gpt2_small_elements' arguments for the node's model in --http: configs/gpt2-small.json (512 positions)."""
+    import json
+    cfg = json.load(open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                      "configs", "gpt2-small.json")))
+    return cfg["vocab_size"], cfg["d_model"], cfg["n_layers"], cfg["d_ff"], cfg["max_seq_len"]
+
+
 def _reset_peak(pid: int) -> bool:
     """Reset the process's VmHWM to its current RSS (Linux: 5 > /proc/PID/clear_refs); False if not allowed."""
     try:
@@ -308,19 +374,19 @@ def main():
     ap.add_argument("--ceiling-keeps-bodies", action="store_true",
                     help="--http: the ceiling keeps every body too, as the node's pool does in this run")
     ap.add_argument("--modes", default="123", help="the modes to measure, e.g. 2 or 123 (default)")
+    ap.add_argument("--stages", action="store_true",
+                    help="--http: where a Mode 2 request's time goes, one small server per step of the node's path")
     ap.add_argument("--serve-ceiling", type=int, help=argparse.SUPPRESS)  # internal: run the ceiling server
+    ap.add_argument("--stage", default="ceiling", choices=list(STAGES), help=argparse.SUPPRESS)  # internal
     args = ap.parse_args()
     if args.serve_ceiling:
-        serve_ceiling(args.serve_ceiling, keep=args.ceiling_keeps_bodies)
+        elements = [n for _, n in gpt2_small_elements(*_http_shape())] if args.stage == "decode" else ()
+        serve_ceiling(args.serve_ceiling, keep=args.ceiling_keeps_bodies, stage=args.stage, elements=elements)
         return
 
     named = gpt2_small_elements()
     if args.http:  # the node's model: configs/gpt2-small.json (max_seq_len 512 positions)
-        import json
-        cfg = json.load(open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                          "configs", "gpt2-small.json")))
-        named = gpt2_small_elements(cfg["vocab_size"], cfg["d_model"], cfg["n_layers"], cfg["d_ff"],
-                                    cfg["max_seq_len"])
+        named = gpt2_small_elements(*_http_shape())
     elements = [n for _, n in named]
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
@@ -358,6 +424,9 @@ def main():
 
     warm_up = [data for _, data, _, _ in cases[:2]]  # Mode 1, Mode 2
     cases = [c for c in cases if c[0][0] in args.modes]
+    if args.http and args.stages:
+        stages_main(args, warm_up[1], warm_up)  # the Mode 2 packet
+        return
     if args.http:
         http_main(args, [(mode.split()[0] + " " + mode.split(" ", 1)[1], data) for mode, data, _, _ in cases], warm_up)
         return
