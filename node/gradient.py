@@ -10,8 +10,9 @@ nothing accepted is lost and nothing is applied twice.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from node.contribution import Contribution, add_sections
@@ -56,6 +57,20 @@ class PendingGradient:
         self.loss_sum += loss_sum
         if local:
             self.local_samples += samples
+
+    def add_parts(self, parts: Iterable[tuple[int, Optional[np.ndarray], np.ndarray]], samples: int, loss_sum: float,
+                  packets: int = 0) -> None:
+        """Add a sparse aggregate (`robust.Aggregate.parts`): per tensor its touched elements (unique; None: all of
+        them) and their values. Costs what the parts hold: untouched elements are not read."""
+        for tid, coords, values in parts:
+            acc = self.sums[tid].numpy()  # the same memory
+            if coords is None:
+                acc += values
+            else:
+                acc[coords] += values
+        self.samples += samples
+        self.packets += packets
+        self.loss_sum += loss_sum
 
     def add_contributions(self, contributions: Iterable[Contribution]) -> None:
         """Add each contribution weighted by its samples (validated by the bridge; sparse ones stay sparse)."""

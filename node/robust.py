@@ -145,14 +145,28 @@ class ContributorReport:
 
 @dataclass(frozen=True)
 class Aggregate:
-    """One hand-over's robust aggregate, in the units of the node's existing bookkeeping."""
+    """One hand-over's robust aggregate, in the units of the node's existing bookkeeping.
 
-    sums: tuple[np.ndarray, ...]  # per tensor, flat float32: samples x the robust mean gradient
+    It is as sparse as the hand-over: `parts` holds only the elements some contribution touched, so adding it costs
+    what the packets hold, not the model's size (`sums` is the dense form, made when read)."""
+
+    # (tensor id, its touched elements or None for all of them, float32 samples x the robust mean there), per
+    # tensor touched; every other element of the aggregate is 0
+    parts: tuple[tuple[int, Optional[np.ndarray], np.ndarray], ...]
+    tensor_elements: tuple[int, ...]
     samples: int  # total weight; sums / samples is the mean
     loss_sum: float  # sum of weight x (clamped) train_loss
     norm_bound: Optional[float]  # the L2 bound applied (None: none)
     method: str
     reports: tuple[ContributorReport, ...]  # in canonical (sorted) order, one per contribution
+
+    @property
+    def sums(self) -> tuple[np.ndarray, ...]:
+        """Per tensor, flat float32: samples x the robust mean gradient (zeros where nobody sent anything)."""
+        sums = [np.zeros(n, np.float32) for n in self.tensor_elements]
+        for tid, coords, values in self.parts:
+            sums[tid][slice(None) if coords is None else coords] = values
+        return tuple(sums)
 
     @property
     def outliers(self) -> tuple[ContributorReport, ...]:
@@ -314,9 +328,9 @@ def aggregate(contributions: Sequence[Contribution], tensor_elements: Sequence[i
     medians (`clip_multiple` x its median norm, `max_weight_multiple` x its median samples). `reference` (flat
     float32 per tensor) is the direction `min_cosine` checks against; None, or all zeros, checks nothing.
     """
-    sums = [np.zeros(int(e), np.float32) for e in tensor_elements]
+    elements = tuple(int(e) for e in tensor_elements)
     if not contributions:
-        return Aggregate(tuple(sums), 0, 0.0, norm_bound, config.method, ())
+        return Aggregate((), elements, 0, 0.0, norm_bound, config.method, ())
     contribs = _canonical(contributions)
     n = len(contribs)
     claimed = np.array([c.samples for c in contribs], np.int64)
@@ -345,6 +359,7 @@ def aggregate(contributions: Sequence[Contribution], tensor_elements: Sequence[i
     keep = w > 0
     center_factor = np.ones(n)
     total = int(w.sum())
+    parts = []
     if keep.any():
         kept, wk = (mats, w) if keep.all() else (_keep_rows(mats, keep), w[keep])
         w32 = wk.astype(np.float32)
@@ -359,11 +374,7 @@ def aggregate(contributions: Sequence[Contribution], tensor_elements: Sequence[i
                 results = [np.float32(total) * v for v in center]
         else:
             results = [np.float32(total) * _trimmed_mean(x, wk, config.trim_fraction) for _, _, x in kept]
-        for (tid, coords, _), r in zip(kept, results):
-            if coords is None:
-                sums[tid][:] = r
-            else:
-                sums[tid][coords] = r
+        parts = [(tid, coords, r) for (tid, coords, _), r in zip(kept, results)]
 
     reports = tuple(
         ContributorReport(contributor=c.contributor, samples=int(claimed[i]), weight=int(w[i]),
@@ -373,7 +384,7 @@ def aggregate(contributions: Sequence[Contribution], tensor_elements: Sequence[i
                           outlier=bool(w[i] < claimed[i] or clip[i] < 1 or center_factor[i] < 1
                                        or clamped[i] != losses[i]))
         for i, c in enumerate(contribs))
-    return Aggregate(tuple(sums), total, float(np.dot(w.astype(np.float64), clamped)), bound, config.method,
+    return Aggregate(tuple(parts), elements, total, float(np.dot(w.astype(np.float64), clamped)), bound, config.method,
                      reports)
 
 

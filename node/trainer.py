@@ -301,12 +301,12 @@ class TrainingNode:
         far out), into the pending gradient; refused whole if it would still not be finite."""
         result = self.aggregator.aggregate(contributions, self._momentum())
         self.ledger.record_aggregate(result)
-        if not all_finite(result.sums):
+        if not all_finite(values for _, _, values in result.parts):  # every other element is 0
             ids = sorted({c.contributor for c in contributions})
             logger.warning(f"Refused a hand-over whose aggregate is not finite; contributors {ids}")
             self.ledger.refused_update(ids)
             return
-        self.gradient.add(result.sums, result.samples, result.loss_sum, packets=len(contributions))
+        self.gradient.add_parts(result.parts, result.samples, result.loss_sum, packets=len(contributions))
 
     def _momentum(self) -> Optional[list[np.ndarray]]:
         """The Adam first moment (exp_avg) per tensor, flat: the reference of the direction check (None when it is

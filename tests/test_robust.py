@@ -125,6 +125,32 @@ def test_sparse_input_stays_sparse_in_the_output():
         touched |= {(s.tensor_id, int(i)) for s in c.sections for i in s.indices}
     nonzero = {(t, int(i)) for t, s in enumerate(agg.sums) for i in np.flatnonzero(s)}
     assert nonzero <= touched
+    # and the aggregate holds only what was touched: its parts are the union of the indices sent, per tensor
+    held = {(t, int(i)) for t, coords, values in agg.parts for i in coords}
+    assert held == touched and sum(v.size for _, _, v in agg.parts) == len(touched)
+
+
+@settings(deadline=None, max_examples=30)
+@given(SEEDS, st.integers(1, 5))
+def test_a_pending_gradient_adds_the_sparse_parts_as_it_adds_the_dense_sums(seed, n):
+    """The training thread adds `Aggregate.parts` (only the touched elements): the bits of adding `sums`."""
+    from node.gradient import PendingGradient
+    rng = np.random.default_rng(seed)
+    _, grads = honest_gradients(rng, n)
+    contributions = [to_contribution(f"h{i}", g, samples=int(rng.integers(4, 7)), sparse_fraction=0.3,
+                                     mode="repeats" if i % 2 else "unique") for i, g in enumerate(grads)]
+    if seed % 2:  # and a dense one: whole tensors in the parts
+        contributions.append(to_contribution("dense", grads[0]))
+    agg = robust.aggregate(contributions, ELEMENTS)
+    assert any(coords is not None for _, coords, _ in agg.parts) != bool(seed % 2)
+    start = [torch.from_numpy(rng.standard_normal(e).astype(np.float32)) for e in ELEMENTS]
+    dense, sparse = PendingGradient(ELEMENTS), PendingGradient(ELEMENTS)
+    for g in (dense, sparse):
+        g.sums = [s.clone() for s in start]
+    dense.add(agg.sums, agg.samples, agg.loss_sum, packets=len(contributions))
+    sparse.add_parts(agg.parts, agg.samples, agg.loss_sum, packets=len(contributions))
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(dense.sums, sparse.sums))
+    assert (dense.samples, dense.packets, dense.loss_sum) == (sparse.samples, sparse.packets, sparse.loss_sum)
 
 
 def test_empty_hand_over_and_single_contribution():
