@@ -1,4 +1,4 @@
-/* One pass over DGRD Mode 2 entries: the checks of bridge/dgrd.py's gathered numpy passes, fused.
+/* One pass over DGRD Mode 2 entries: the checks of bridge/mode2_check.py's gathered numpy passes, fused.
  *
  * mode2_scan(body, starts, counts, sums) -> bool
  *   body    the packet's bytes (any contiguous buffer)
@@ -7,8 +7,8 @@
  *   sums    int64[n], written: the sum of each section's skips
  * Returns False as soon as a value is not finite (its five exponent bits all ones), True otherwise. Raises
  * ValueError if a section lies outside body or the arrays disagree in length. The loop runs without the GIL.
- * Only speed is at stake: bridge/dgrd.py does the same with numpy when this module is not built, and tests hold the
- * two to the same answers.
+ * Only speed is at stake: bridge/mode2_check.py does the same with numpy when this module is not built, and tests
+ * hold the two to the same answers.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

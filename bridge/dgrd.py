@@ -28,7 +28,7 @@ Mode 2 indices: the first is ``skip[0]``, each next is ``previous + skip + 1``, 
 ``accumulate``s applies a packet entirely or not at all. It validates with reductions over the packet's own
 bytes and allocates nothing per entry: sparse sections come back as ``LazySection``s that widen their indices
 to int64 and their values to float32 when first read (on the node's training thread), once. It reads the section
-headers first, then checks every Mode 2 section's entries in one gathered pass (``_mode2_valid``); only a bad packet
+headers first, then checks every Mode 2 section's entries at once (``bridge.mode2_check``); only a bad packet
 is read again section by section, so that it fails with the problem a reading in packet order meets first.
 """
 
@@ -41,6 +41,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
+from bridge import mode2_check
 from node.contribution import AnySection, LazySection, Section, add_sections
 
 MAGIC = b"DGRD"
@@ -58,12 +59,7 @@ MODE1_ENTRY = np.dtype([("i", "<u4"), ("v", "<f4")])  # itemsize 8
 MODE2_ENTRY = np.dtype([("s", "<u1"), ("v", "<f2")])  # packed, itemsize 3
 DENSE_ENTRY = np.dtype("<f2")
 MODE1_ENTRY_BYTES, MODE2_ENTRY_BYTES, DENSE_ENTRY_BYTES = MODE1_ENTRY.itemsize, MODE2_ENTRY.itemsize, DENSE_ENTRY.itemsize
-CHECK_CHUNK_BYTES = 1 << 18  # scratch of one validation pass: 256 KiB, stays in cache
-# Mode 2 entries are 3 bytes: a half's exponent bits are bits 2..6 of the entry's last byte. ANDed with this mask
-# (whole entries, one chunk), a section's bytes are 0x7C somewhere iff a value is not finite: one contiguous pass
-# instead of a 3-byte-strided one (1.5x faster measured)
-MODE2_EXPONENT_MASK = np.tile(np.array([0, 0, 0x7C], np.uint8), CHECK_CHUNK_BYTES // 3)
-MODE2_EXPONENT_MASK.setflags(write=False)
+CHECK_CHUNK_BYTES = mode2_check.SCRATCH_BYTES  # scratch of one validation pass: 256 KiB, stays in cache
 
 # float32 value of every float16 bit pattern (inf and NaN included, so a check after the lookup
 # still sees them): numpy casts float16 in software, a 256 KiB table lookup is ~7x faster
@@ -71,11 +67,6 @@ F16_TO_F32 = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.floa
 F16_TO_F32.setflags(write=False)
 
 Buffer = Union[bytes, bytearray, memoryview, np.ndarray]  # np.ndarray: a body from bridge.bodybuf
-
-try:  # the Mode 2 check in one pass of C (bridge/_dgrd_native.c, built by `pip install`): 3x the numpy passes
-    from bridge import _dgrd_native as native
-except ImportError:  # not built (no C compiler where it was installed): the same checks with numpy
-    native = None
 
 
 class PacketError(ValueError):
@@ -153,13 +144,13 @@ def _check_mode2(tid: int, raw: np.ndarray, elements: int, scratch: np.ndarray) 
     Every step is >= 1, so the indices strictly increase and the last is the largest: ``cumsum(skip + 1) - 1``
     ends at ``sum(skip) + nnz - 1``. A half is not finite iff its five exponent bits are all ones.
     """
-    nnz = raw.size // MODE2_ENTRY.itemsize
+    nnz = raw.size // MODE2_ENTRY_BYTES
     if int(np.add.reduce(raw[0::3], dtype=np.int64)) + nnz - 1 >= elements:
         _check_bounds(tid, _mode2_indices(raw), elements)
-    step = MODE2_EXPONENT_MASK.size
+    step = mode2_check.EXPONENT_MASK.size
     for start in range(0, raw.size, step):
         chunk = raw[start:start + step]
-        if np.maximum.reduce(np.bitwise_and(chunk, MODE2_EXPONENT_MASK[:chunk.size], out=scratch[:chunk.size])) == 0x7C:
+        if np.maximum.reduce(np.bitwise_and(chunk, mode2_check.EXPONENT_MASK[:chunk.size], out=scratch[:chunk.size])) == 0x7C:
             _not_finite(tid, _half_to_f32(raw.view(MODE2_ENTRY)["v"]))
 
 
@@ -234,7 +225,7 @@ def _check_section(buf: memoryview, flags: int, tid: int, nnz: int, start: int, 
     elif flags == FLAGS_MODE1:
         _check_mode1(tid, np.frombuffer(buf, MODE1_ENTRY, count=nnz, offset=start), elements, scratch)
     else:
-        _check_mode2(tid, np.frombuffer(buf, np.uint8, count=nnz * MODE2_ENTRY.itemsize, offset=start), elements,
+        _check_mode2(tid, np.frombuffer(buf, np.uint8, count=nnz * MODE2_ENTRY_BYTES, offset=start), elements,
                      scratch)
 
 
@@ -256,71 +247,7 @@ def _values_valid(buf: memoryview, layout: Layout, flags: int, scratch: np.ndarr
             _check_section(buf, flags, tid, nnz, start, elements, scratch)
         except PacketError:
             return False
-    return _mode2_valid(buf, mode2, scratch)
-
-
-def _mode2_valid(buf: memoryview, sections: list[tuple[int, int, int]], scratch: np.ndarray) -> bool:
-    """Whether the Mode 2 `sections` ((nnz, body offset, elements) each) are within bounds and finite: in one pass
-    of native code when `bridge._dgrd_native` is built, else with numpy (`_mode2_skip_sums_numpy`)."""
-    if not sections:
-        return True
-    nnz, starts, elements = (np.array(column, np.int64) for column in zip(*sections))
-    if native is None:
-        skip_sums = _mode2_skip_sums_numpy(buf, sections, scratch)
-    else:
-        skip_sums = np.empty(len(sections), np.int64)
-        if not native.mode2_scan(buf, starts, nnz, skip_sums):
-            skip_sums = None
-    # every step is >= 1: a section's last index, its largest, is sum(skip) + nnz - 1
-    return skip_sums is not None and bool((skip_sums + nnz - 1 < elements).all())
-
-
-def _mode2_skip_sums_numpy(buf: memoryview, sections: list[tuple[int, int, int]], scratch: np.ndarray
-                           ) -> Optional[np.ndarray]:
-    """Each section's skips summed (int64), or None if a value is not finite.
-
-    The entries of consecutive sections are copied back to back (without their 8-byte headers) into a 256 KiB
-    gathering buffer, and each full buffer is checked with a handful of whole-array operations: the exponent-mask
-    pass, and the skips summed per piece of a section by one reduceat. Per section, that leaves a slice copy in
-    Python; checked one at a time, each section cost a dozen numpy calls, most of the decode time of a 148-section
-    GPT-2 packet (the passes over its 4 MB took ~1.3 ms of ~6).
-    """
-    cap = MODE2_EXPONENT_MASK.size  # a multiple of 3: a full buffer holds whole entries
-    gathered = np.empty(cap, np.uint8)
-    into = memoryview(gathered)
-    sums: list[np.ndarray] = []  # skips summed per piece (a section's entries within one gathering)
-    first_piece: list[int] = []  # per section: the index of its first piece
-    starts: list[int] = []  # entry index of each piece in the gathering being filled
-    fill = pieces = 0
-    for nnz, pos, _elements in sections:
-        first_piece.append(pieces)
-        left = nnz * MODE2_ENTRY.itemsize
-        while left:
-            take = min(left, cap - fill)
-            into[fill:fill + take] = buf[pos:pos + take]
-            starts.append(fill // MODE2_ENTRY.itemsize)
-            pieces += 1
-            fill, pos, left = fill + take, pos + take, left - take
-            if fill == cap:
-                if not _gathered_valid(gathered[:fill], starts, sums, scratch):
-                    return None
-                fill, starts = 0, []
-    if fill and not _gathered_valid(gathered[:fill], starts, sums, scratch):
-        return None
-    # in int64: a section of 2**24 entries or more may pass 2**32
-    return np.add.reduceat(np.concatenate(sums), first_piece, dtype=np.int64)
-
-
-def _gathered_valid(gathered: np.ndarray, starts: list[int], sums: list[np.ndarray], scratch: np.ndarray) -> bool:
-    """False if a value in `gathered` (whole Mode 2 entries) is not finite; else append the skips summed per piece
-    (pieces begin at entries `starts`) to `sums`."""
-    masked = np.bitwise_and(gathered, MODE2_EXPONENT_MASK[:gathered.size], out=scratch[:gathered.size])
-    if np.maximum.reduce(masked) == 0x7C:
-        return False
-    # uint32: a piece is at most 87381 entries (its skips sum to under 2**25), and numpy sums u8 into uint32 1.4x as
-    # fast as into int64 (this reduceat is the largest pass of a Mode 2 decode)
-    sums.append(np.add.reduceat(gathered[0::3], starts, dtype=np.uint32))
-    return True
+    return mode2_check.valid(buf, mode2, scratch)
 
 
 def decode(data: Buffer, tensor_elements: Sequence[int]) -> Packet:
@@ -376,7 +303,7 @@ def decode(data: Buffer, tensor_elements: Sequence[int]) -> Packet:
             rec = np.frombuffer(buf, MODE1_ENTRY, count=nnz, offset=start)
             sections.append(LazySection(tid, False, rec.nbytes, partial(_mode1_arrays, rec)))
         else:
-            size = nnz * MODE2_ENTRY.itemsize
+            size = nnz * MODE2_ENTRY_BYTES
             sections.append(LazySection(tid, True, size, partial(_mode2_arrays_at, buf, start, size)))
     return Packet(version, flags, step, node_id, float(train_loss), samples, tuple(sections))
 
@@ -499,4 +426,4 @@ def accumulate(packet: Packet, accumulators: Sequence[np.ndarray], weight: float
 def max_packet_bytes(tensor_elements: Sequence[int]) -> int:
     """Largest packet the model allows: 256-byte node_id, every tensor dense in Mode 1."""
     head = HEAD.size + MAX_NODE_ID_BYTES + TAIL.size
-    return head + sum(SECTION.size + MODE1_ENTRY.itemsize * int(n) for n in tensor_elements)
+    return head + sum(SECTION.size + MODE1_ENTRY_BYTES * int(n) for n in tensor_elements)

@@ -52,11 +52,7 @@ class PendingGradient:
     def add(self, sums: Sequence, samples: int, loss_sum: float, packets: int = 0, local: bool = False) -> None:
         for acc, part in zip(self.sums, sums):
             acc.add_(torch.as_tensor(part).reshape(-1))
-        self.samples += samples
-        self.packets += packets
-        self.loss_sum += loss_sum
-        if local:
-            self.local_samples += samples
+        self._count(samples, loss_sum, packets, local)
 
     def add_parts(self, parts: Iterable[tuple[int, Optional[np.ndarray], np.ndarray]], samples: int, loss_sum: float,
                   packets: int = 0) -> None:
@@ -68,9 +64,14 @@ class PendingGradient:
                 acc += values
             else:
                 acc[coords] += values
+        self._count(samples, loss_sum, packets)
+
+    def _count(self, samples: int, loss_sum: float, packets: int, local: bool = False) -> None:
         self.samples += samples
         self.packets += packets
         self.loss_sum += loss_sum
+        if local:
+            self.local_samples += samples
 
     def add_contributions(self, contributions: Iterable[Contribution]) -> None:
         """Add each contribution weighted by its samples (validated by the bridge; sparse ones stay sparse)."""

@@ -6,19 +6,19 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from bridge import dgrd
+from bridge import dgrd, mode2_check
 from bridge.dgrd import PacketError
 
 ELEMENTS = [4096, 10, 1000, 3]
-NATIVE = dgrd.native  # bridge._dgrd_native, built by the install
+NATIVE = mode2_check.native  # bridge._dgrd_native, built by the install
 
 
 @pytest.fixture(scope="module", autouse=True, params=["native", "numpy"])
-def mode2_check(request):
+def check_path(request):
     """Every test of this module runs twice: Mode 2 checked in one pass of C, and with numpy's passes."""
-    dgrd.native = NATIVE if request.param == "native" else None
+    mode2_check.native = NATIVE if request.param == "native" else None
     yield request.param
-    dgrd.native = NATIVE
+    mode2_check.native = NATIVE
 
 
 def test_the_native_check_is_built():
@@ -440,7 +440,7 @@ def test_first_bad_section_wins_over_a_later_broken_layout():
 
 
 def test_every_entry_around_a_gathering_boundary_is_checked():
-    per_gathering = dgrd.MODE2_EXPONENT_MASK.size // 3  # entries
+    per_gathering = mode2_check.EXPONENT_MASK.size // 3  # entries
     entries_2 = BIG_BODIES[0][1] // 3  # tensor 2 is gathered first, then tensor 0
     boundary = per_gathering - entries_2  # tensor 0's first entry in the second gathering
     cases = [(0, 2, 0), (0, 2, entries_2 - 1), (1, 0, boundary - 1), (1, 0, boundary), (1, 0, 99_999)]
