@@ -180,19 +180,40 @@ def _mode2_arrays_at(buf: memoryview, start: int, size: int) -> tuple[np.ndarray
     return _mode2_arrays(np.frombuffer(buf, np.uint8, count=size, offset=start))
 
 
-# where each section's body lies: (tensor_id, nnz, offset of the body, elements of the tensor), in packet order
-Layout = list[tuple[int, int, int, int]]
+@dataclass(frozen=True)
+class Layout:
+    """Where each section's body lies, in packet order: int64 columns of one row per section."""
+
+    tids: np.ndarray
+    nnzs: np.ndarray  # 0: dense (Mode 3)
+    starts: np.ndarray  # offset of the section's first entry in the packet
+    elements: np.ndarray  # of the tensor
+
+    @classmethod
+    def of_rows(cls, rows: list[tuple[int, int, int, int]]) -> "Layout":
+        columns = np.array(rows, np.int64).reshape(-1, 4)
+        return cls(*(np.ascontiguousarray(c) for c in columns.T))
+
+    def rows(self) -> list[tuple[int, int, int, int]]:
+        return list(zip(self.tids.tolist(), self.nnzs.tolist(), self.starts.tolist(), self.elements.tolist()))
 
 
 def _layout(buf: memoryview, pos: int, n_tensors: int, flags: int, tensor_elements: Sequence[int]
             ) -> tuple[Layout, Optional[PacketError]]:
     """Walk the section headers. Returns the sections up to the first problem of the layout, and that problem
     (not raised: the values of the sections before it are checked first, as a reading section by section would).
-    It runs once per tensor of the model for every packet: nothing in the loop that a good packet does not need."""
-    layout: Layout = []
+    A good packet's headers are walked in C (`_dgrd_native.layout`) when it is built; this reads them again, in
+    Python, only to name a problem."""
+    if mode2_check.native is not None:
+        elements = np.asarray(tensor_elements, np.int64)
+        tids, nnzs, starts = (np.empty(n_tensors, np.int64) for _ in range(3))
+        if mode2_check.native.layout(buf, pos, n_tensors, flags, elements, tids, nnzs, starts):
+            return Layout(tids, nnzs, starts, elements[tids]), None
+    rows: list[tuple[int, int, int, int]] = []
     seen: set[int] = set()
     entry_bytes = MODE1_ENTRY_BYTES if flags == FLAGS_MODE1 else MODE2_ENTRY_BYTES
     length, known, header = len(buf), len(tensor_elements), SECTION.size
+    broken = None
     try:
         for k in range(n_tensors):
             if pos + header > length:
@@ -208,13 +229,13 @@ def _layout(buf: memoryview, pos: int, n_tensors: int, flags: int, tensor_elemen
             size = nnz * entry_bytes if nnz else elements * DENSE_ENTRY_BYTES  # nnz == 0: Mode 3 whatever flags says
             if pos + size > length:
                 _need(buf, pos, size, f"tensor {tid} body ({nnz} entries)" if nnz else f"tensor {tid} dense body")
-            layout.append((tid, nnz, pos, elements))
+            rows.append((tid, nnz, pos, elements))
             pos += size
         if pos != length:
             raise PacketError(f"trailing bytes: {length - pos} after the last section")
     except PacketError as e:
-        return layout, e
-    return layout, None
+        broken = e
+    return Layout.of_rows(rows), broken
 
 
 def _check_section(buf: memoryview, flags: int, tid: int, nnz: int, start: int, elements: int,
@@ -231,23 +252,24 @@ def _check_section(buf: memoryview, flags: int, tid: int, nnz: int, start: int, 
 
 def _raise_first_invalid(buf: memoryview, layout: Layout, flags: int, scratch: np.ndarray) -> None:
     """Section by section, in packet order: raise the first section's problem (only a bad packet pays for this)."""
-    for section in layout:
+    for section in layout.rows():
         _check_section(buf, flags, *section, scratch)
     raise AssertionError("_values_valid found a problem that no section's own check finds")
 
 
 def _values_valid(buf: memoryview, layout: Layout, flags: int, scratch: np.ndarray) -> bool:
     """Whether every section's values are within bounds and finite; Mode 2 sections in one gathered pass."""
-    mode2 = []
-    for tid, nnz, start, elements in layout:
-        if nnz and flags == FLAGS_MODE2:
-            mode2.append((nnz, start, elements))
-            continue
+    mode2 = layout.nnzs > 0 if flags == FLAGS_MODE2 else np.zeros(layout.nnzs.size, bool)
+    others = np.flatnonzero(~mode2)
+    for tid, nnz, start, elements in zip(*(column[others].tolist() for column in
+                                           (layout.tids, layout.nnzs, layout.starts, layout.elements))):
         try:
             _check_section(buf, flags, tid, nnz, start, elements, scratch)
         except PacketError:
             return False
-    return mode2_check.valid(buf, mode2, scratch)
+    if others.size == mode2.size:
+        return True
+    return mode2_check.valid(buf, layout.nnzs[mode2], layout.starts[mode2], layout.elements[mode2], scratch)
 
 
 def decode(data: Buffer, tensor_elements: Sequence[int]) -> Packet:
@@ -294,7 +316,7 @@ def decode(data: Buffer, tensor_elements: Sequence[int]) -> Packet:
     if broken is not None:
         raise broken
     sections: list[AnySection] = []
-    for tid, nnz, start, elements in layout:
+    for tid, nnz, start, elements in layout.rows():
         if nnz == 0:
             # kept as float16, a view of the packet: add_sections converts it a chunk at a time
             # as it adds, so no float32 copy (twice the packet) is ever made of a dense tensor

@@ -26,24 +26,23 @@ EXPONENT_MASK = np.tile(np.array([0, 0, 0x7C], np.uint8), SCRATCH_BYTES // ENTRY
 EXPONENT_MASK.setflags(write=False)
 
 
-def valid(buf: memoryview, sections: list[tuple[int, int, int]], scratch: np.ndarray) -> bool:
-    """Whether the Mode 2 `sections` ((nnz, body offset, elements) each) are within bounds and finite: in one pass
-    of native code when `bridge._dgrd_native` is built, else with numpy (`_skip_sums_numpy`)."""
-    if not sections:
+def valid(buf: memoryview, nnz: np.ndarray, starts: np.ndarray, elements: np.ndarray, scratch: np.ndarray) -> bool:
+    """Whether the Mode 2 sections (int64 columns: entries, offset of the first in `buf`, elements of the tensor)
+    are within bounds and finite: in one pass of native code when `bridge._dgrd_native` is built, else with numpy
+    (`_skip_sums_numpy`)."""
+    if not nnz.size:
         return True
-    nnz, starts, elements = (np.array(column, np.int64) for column in zip(*sections))
     if native is None:
-        skip_sums = _skip_sums_numpy(buf, sections, scratch)
+        skip_sums = _skip_sums_numpy(buf, list(zip(nnz.tolist(), starts.tolist())), scratch)
     else:
-        skip_sums = np.empty(len(sections), np.int64)
+        skip_sums = np.empty(nnz.size, np.int64)
         if not native.mode2_scan(buf, starts, nnz, skip_sums):
             skip_sums = None
     # every step is >= 1: a section's last index, its largest, is sum(skip) + nnz - 1
     return skip_sums is not None and bool((skip_sums + nnz - 1 < elements).all())
 
 
-def _skip_sums_numpy(buf: memoryview, sections: list[tuple[int, int, int]], scratch: np.ndarray
-                           ) -> Optional[np.ndarray]:
+def _skip_sums_numpy(buf: memoryview, sections: list[tuple[int, int]], scratch: np.ndarray) -> Optional[np.ndarray]:
     """Each section's skips summed (int64), or None if a value is not finite.
 
     The entries of consecutive sections are copied back to back (without their 8-byte headers) into a 256 KiB
@@ -59,7 +58,7 @@ def _skip_sums_numpy(buf: memoryview, sections: list[tuple[int, int, int]], scra
     first_piece: list[int] = []  # per section: the index of its first piece
     starts: list[int] = []  # entry index of each piece in the gathering being filled
     fill = pieces = 0
-    for nnz, pos, _elements in sections:
+    for nnz, pos in sections:  # (entries, offset of the first)
         first_piece.append(pieces)
         left = nnz * ENTRY_BYTES
         while left:

@@ -36,6 +36,10 @@ def test_the_native_check_refuses_sections_outside_the_body():
     with pytest.raises(ValueError, match="one length"):
         NATIVE.mode2_scan(body, np.zeros(2, np.int64), np.zeros(1, np.int64), sums)
     assert NATIVE.mode2_scan(body, np.array([0], np.int64), np.array([10], np.int64), sums) and sums[0] == 0
+    columns = [np.zeros(2, np.int64) for _ in range(3)]
+    for pos, n_tensors in ((-1, 2), (0, 31), (0, 3)):  # before the body; more sections than bytes; arrays too short
+        with pytest.raises(ValueError, match="out of range|wrong size"):
+            NATIVE.layout(body, pos, n_tensors, 1, np.array([4], np.int64), *columns)
 
 
 def dense(sections, elements):
@@ -301,6 +305,41 @@ def test_truncations_and_bit_flips_only_raise_packet_error(data):
         dgrd.decode(bytes(flipped), ELEMENTS)
     except PacketError:
         pass
+
+
+@pytest.mark.skipif(NATIVE is None, reason="not built")
+@settings(deadline=None, max_examples=300)
+@given(st.data())
+def test_the_native_layout_walk_reads_the_headers_as_the_python_one(data):
+    """`_dgrd_native.layout` says yes exactly when the Python walk finds no problem, with the same columns: over
+    packets whose section headers (ids, nnz) are rewritten, cut, or followed by extra bytes."""
+    flags = data.draw(st.sampled_from([0, 1]))
+    sections = [(0, [5, 700], [1.0, 2.0]), (3, None, [1, 2, 3]), (1, [9], [0.5])]
+    packet = bytearray(dgrd.encode(3, "n", 1.0, 2, sections, flags))
+    pos = dgrd.HEAD.size + 1 + dgrd.TAIL.size
+    headers, p = [], pos
+    for tid, nnz_raw, _ in sections:  # where each section header lies
+        headers.append(p)
+        nnz = len(nnz_raw) if nnz_raw is not None else 0
+        p += 8 + (nnz * (8 if flags == 0 else 3) if nnz else ELEMENTS[tid] * 2)
+    for _ in range(data.draw(st.sampled_from([0, 1, 1, 1, 2]))):
+        at = data.draw(st.sampled_from(headers)) + data.draw(st.sampled_from([0, 4]))
+        struct.pack_into("<I", packet, at, data.draw(st.sampled_from([0, 1, 2, 3, 4, 9, 2**32 - 1])))
+    if data.draw(st.sampled_from([False, False, False, True])):
+        packet = packet[:data.draw(st.integers(pos, len(packet)))]
+    packet += bytes(data.draw(st.sampled_from([0, 0, 0, 1, 3])))
+    buf = memoryview(bytes(packet))
+    n_tensors = data.draw(st.sampled_from([3, 3, 3, 2, 4]))
+    mode2_check.native = None
+    try:
+        want, broken = dgrd._layout(buf, pos, n_tensors, flags, ELEMENTS)
+    finally:
+        mode2_check.native = NATIVE
+    columns = [np.full(n_tensors, -1, np.int64) for _ in range(3)]
+    ok = NATIVE.layout(buf, pos, n_tensors, flags, np.array(ELEMENTS, np.int64), *columns)
+    assert ok == (broken is None)
+    if ok:
+        assert [c.tolist() for c in columns] == [want.tids.tolist(), want.nnzs.tolist(), want.starts.tolist()]
 
 
 def test_encoder_refuses_what_decoder_would_reject():
