@@ -42,7 +42,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from bridge import mode2_check
-from node.contribution import AnySection, LazySection, Section, add_sections
+from node.contribution import AnySection, LazySection, LazySections, Section, add_sections
 
 MAGIC = b"DGRD"
 VERSION = 1
@@ -81,9 +81,10 @@ class Packet:
     node_id: str
     train_loss: float
     samples: int
-    # the node's sections (node.contribution): a dense one is a Section holding the packet's float16 (a view);
-    # a sparse one is a LazySection over the packet's entries (int64 indices and float32 values on first read)
-    sections: tuple[AnySection, ...]
+    # the node's sections (node.contribution), made on first read: a dense one is a Section holding the packet's
+    # float16 (a view); a sparse one is a LazySection over the packet's entries (int64 indices and float32 values
+    # on first read)
+    sections: Sequence[AnySection]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,6 +273,23 @@ def _values_valid(buf: memoryview, layout: Layout, flags: int, scratch: np.ndarr
     return mode2_check.valid(buf, layout.nnzs[mode2], layout.starts[mode2], layout.elements[mode2], scratch)
 
 
+def _sections(buf: memoryview, layout: Layout, flags: int) -> tuple[AnySection, ...]:
+    """A checked packet's sections, as views of its bytes: made on first read (see LazySections)."""
+    sections: list[AnySection] = []
+    for tid, nnz, start, elements in layout.rows():
+        if nnz == 0:
+            # kept as float16, a view of the packet: add_sections converts it a chunk at a time
+            # as it adds, so no float32 copy (twice the packet) is ever made of a dense tensor
+            sections.append(Section(tid, None, np.frombuffer(buf, DENSE_ENTRY, count=elements, offset=start)))
+        elif flags == FLAGS_MODE1:
+            rec = np.frombuffer(buf, MODE1_ENTRY, count=nnz, offset=start)
+            sections.append(LazySection(tid, False, rec.nbytes, partial(_mode1_arrays, rec)))
+        else:
+            size = nnz * MODE2_ENTRY_BYTES
+            sections.append(LazySection(tid, True, size, partial(_mode2_arrays_at, buf, start, size)))
+    return tuple(sections)
+
+
 def decode(data: Buffer, tensor_elements: Sequence[int]) -> Packet:
     """Parse and fully validate one packet; ``tensor_elements[i]`` is tensor i's element count.
 
@@ -315,19 +333,10 @@ def decode(data: Buffer, tensor_elements: Sequence[int]) -> Packet:
         _raise_first_invalid(buf, layout, flags, scratch)
     if broken is not None:
         raise broken
-    sections: list[AnySection] = []
-    for tid, nnz, start, elements in layout.rows():
-        if nnz == 0:
-            # kept as float16, a view of the packet: add_sections converts it a chunk at a time
-            # as it adds, so no float32 copy (twice the packet) is ever made of a dense tensor
-            sections.append(Section(tid, None, np.frombuffer(buf, DENSE_ENTRY, count=elements, offset=start)))
-        elif flags == FLAGS_MODE1:
-            rec = np.frombuffer(buf, MODE1_ENTRY, count=nnz, offset=start)
-            sections.append(LazySection(tid, False, rec.nbytes, partial(_mode1_arrays, rec)))
-        else:
-            size = nnz * MODE2_ENTRY_BYTES
-            sections.append(LazySection(tid, True, size, partial(_mode2_arrays_at, buf, start, size)))
-    return Packet(version, flags, step, node_id, float(train_loss), samples, tuple(sections))
+    entry_bytes = MODE1_ENTRY_BYTES if flags == FLAGS_MODE1 else MODE2_ENTRY_BYTES
+    nbytes = int(np.where(layout.nnzs == 0, layout.elements * DENSE_ENTRY_BYTES, layout.nnzs * entry_bytes).sum())
+    return Packet(version, flags, step, node_id, float(train_loss), samples,
+                  LazySections(nbytes, partial(_sections, buf, layout, flags)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -342,6 +342,22 @@ def test_the_native_layout_walk_reads_the_headers_as_the_python_one(data):
         assert [c.tolist() for c in columns] == [want.tids.tolist(), want.nnzs.tolist(), want.starts.tolist()]
 
 
+def test_a_packets_sections_are_made_when_first_read_and_their_bytes_known_before():
+    """The request path counts a packet's bytes (the pool's bound) without making its sections; whoever reads them
+    first makes them, once."""
+    for flags in (0, 1):
+        data = dgrd.encode(3, "n", 1.0, 2, [(0, [5, 200], [1.0, 2.0]), (3, None, [1, 2, 3]), (1, [9], [0.5])], flags)
+        sections = dgrd.decode(data, ELEMENTS).sections
+        assert sections._items is None
+        entry = 8 if flags == 0 else 3
+        assert sections.nbytes == (2 + 1) * entry + 3 * 2  # what the sections hold of the packet
+        assert sections._items is None
+        made = tuple(sections)
+        assert sum(s.nbytes for s in made) == sections.nbytes
+        assert [s.tensor_id for s in sections] == [0, 3, 1] and sections[2].indices.tolist() == [9]
+        assert all(a is b for a, b in zip(sections, made))  # made once: the same objects on every read
+
+
 def test_encoder_refuses_what_decoder_would_reject():
     with pytest.raises(ValueError, match="node_id"):
         dgrd.encode(0, "", 0.0, 1, [], 0)
