@@ -12,7 +12,7 @@
  *   counts  int64[n]: entries (nnz) of each section; entry k of a section is (u8 skip, f16 value) at start + 3k
  *   sums    int64[n], written: the sum of each section's skips
  *   Returns False as soon as a value is not finite (its five exponent bits all ones), True otherwise. The loop
- *   runs without the GIL.
+ *   runs without the GIL, with AVX2 where the CPU has it (_set_avx2 switches to the scalar loop, for tests).
  *
  * Both raise ValueError for arrays of the wrong size or a section outside body. Only speed is at stake:
  * bridge/dgrd.py and bridge/mode2_check.py do the same in Python and numpy when this module is not built, and
@@ -23,13 +23,8 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Built twice on x86-64 Linux: for AVX2, which GCC vectorizes this loop for (0.51 ms for the 1.34M entries of a
- * GPT-2-small packet, against 1.06 for baseline x86-64), and for any x86-64; the loader picks one by the CPU it runs
- * on, so a build copied to an older CPU still runs (-march=native would crash there). */
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
-__attribute__((target_clones("avx2", "default")))
-#endif
-static int scan(const uint8_t *body, const int64_t *starts, const int64_t *counts, int64_t *sums, Py_ssize_t n) {
+static int scan_scalar(const uint8_t *body, const int64_t *starts, const int64_t *counts, int64_t *sums,
+                       Py_ssize_t n) {
     for (Py_ssize_t s = 0; s < n; s++) {
         const uint8_t *p = body + starts[s];
         const int64_t count = counts[s];
@@ -44,6 +39,73 @@ static int scan(const uint8_t *body, const int64_t *starts, const int64_t *count
         sums[s] = (int64_t)sum;
     }
     return 1;
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HAVE_AVX2_PATH 1
+#include <immintrin.h>
+
+/* 96 bytes (32 entries, three 32-byte vectors) is the period of the entries' layout. Per vector: the skips (bytes
+ * 0 mod 3) kept by SKIP and summed by SAD into four 64-bit lanes; the exponent bits (bytes 2 mod 3) kept by EXPONENT
+ * and compared with ALL_ONES, which holds 0xFF where EXPONENT holds 0 so that only exponent bytes can match. */
+static uint8_t SKIP[96], EXPONENT[96], ALL_ONES[96];
+
+static void init_masks(void) {
+    for (int i = 0; i < 96; i++) {
+        SKIP[i] = i % 3 == 0 ? 0xFF : 0;
+        EXPONENT[i] = i % 3 == 2 ? 0x7C : 0;
+        ALL_ONES[i] = i % 3 == 2 ? 0x7C : 0xFF;
+    }
+}
+
+/* The same answers as scan_scalar, 32 entries per step with AVX2 (0.23 ms for the 1.34M entries of a GPT-2-small
+ * packet, against 0.64 for the scalar loop as GCC vectorizes it for AVX2 and 1.06-1.55 for baseline x86-64). Chosen
+ * at run time by the CPU, so a build copied to a CPU without AVX2 still runs. */
+__attribute__((target("avx2"))) static int scan_avx2(const uint8_t *body, const int64_t *starts,
+                                                     const int64_t *counts, int64_t *sums, Py_ssize_t n) {
+    __m256i skip[3], exponent[3], all_ones[3];
+    for (int j = 0; j < 3; j++) {
+        skip[j] = _mm256_loadu_si256((const __m256i *)(SKIP + 32 * j));
+        exponent[j] = _mm256_loadu_si256((const __m256i *)(EXPONENT + 32 * j));
+        all_ones[j] = _mm256_loadu_si256((const __m256i *)(ALL_ONES + 32 * j));
+    }
+    const __m256i zero = _mm256_setzero_si256();
+    for (Py_ssize_t s = 0; s < n; s++) {
+        const uint8_t *p = body + starts[s];
+        const int64_t bytes = counts[s] * 3;
+        __m256i sum4 = zero, bad = zero;
+        int64_t i = 0;
+        for (; i + 96 <= bytes; i += 96) {
+            for (int j = 0; j < 3; j++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(p + i + 32 * j));
+                sum4 = _mm256_add_epi64(sum4, _mm256_sad_epu8(_mm256_and_si256(v, skip[j]), zero));
+                bad = _mm256_or_si256(bad, _mm256_cmpeq_epi8(_mm256_and_si256(v, exponent[j]), all_ones[j]));
+            }
+        }
+        uint64_t lanes[4];
+        _mm256_storeu_si256((__m256i *)lanes, sum4);
+        uint64_t sum = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+        uint8_t not_finite = !_mm256_testz_si256(bad, bad);
+        for (; i < bytes; i += 3) { /* the last entries, fewer than 32 */
+            sum += p[i];
+            not_finite |= (uint8_t)((p[i + 2] & 0x7C) == 0x7C);
+        }
+        if (not_finite)
+            return 0;
+        sums[s] = (int64_t)sum;
+    }
+    return 1;
+}
+#endif
+
+static int use_avx2 = 0; /* set at import from the CPU; tests switch it (_set_avx2) to run both paths */
+
+static int scan(const uint8_t *body, const int64_t *starts, const int64_t *counts, int64_t *sums, Py_ssize_t n) {
+#ifdef HAVE_AVX2_PATH
+    if (use_avx2)
+        return scan_avx2(body, starts, counts, sums, n);
+#endif
+    return scan_scalar(body, starts, counts, sums, n);
 }
 
 static PyObject *mode2_scan(PyObject *self, PyObject *args) {
@@ -140,14 +202,33 @@ done:
     return result;
 }
 
+static PyObject *set_avx2(PyObject *self, PyObject *arg) {
+    int want = PyObject_IsTrue(arg);
+    if (want < 0)
+        return NULL;
+#ifdef HAVE_AVX2_PATH
+    use_avx2 = want && __builtin_cpu_supports("avx2");
+#endif
+    return PyBool_FromLong(use_avx2);
+}
+
 static PyMethodDef methods[] = {
     {"mode2_scan", mode2_scan, METH_VARARGS,
      "mode2_scan(body, starts, counts, sums) -> bool: skip sums per section into sums; False if a value is not finite"},
     {"layout", layout, METH_VARARGS,
      "layout(body, pos, n_tensors, flags, elements, tids, nnzs, starts) -> bool: the section headers, if all good"},
+    {"_set_avx2", set_avx2, METH_O,
+     "_set_avx2(on) -> bool: scan with AVX2 (when the CPU has it) or with the scalar loop; returns which is used"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_dgrd_native", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__dgrd_native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__dgrd_native(void) {
+#ifdef HAVE_AVX2_PATH
+    init_masks();
+    __builtin_cpu_init();
+    use_avx2 = __builtin_cpu_supports("avx2");
+#endif
+    return PyModule_Create(&module);
+}

@@ -13,12 +13,19 @@ ELEMENTS = [4096, 10, 1000, 3]
 NATIVE = mode2_check.native  # bridge._dgrd_native, built by the install
 
 
-@pytest.fixture(scope="module", autouse=True, params=["native", "numpy"])
+@pytest.fixture(scope="module", autouse=True, params=["native", "native-scalar", "numpy"])
 def check_path(request):
-    """Every test of this module runs twice: Mode 2 checked in one pass of C, and with numpy's passes."""
-    mode2_check.native = NATIVE if request.param == "native" else None
+    """Every test of this module runs three times: Mode 2 checked in one pass of C (with AVX2 where the CPU has it,
+    and with the scalar loop), and with numpy's passes."""
+    if request.param == "native-scalar" and NATIVE is None:
+        pytest.skip("bridge/_dgrd_native.c not built")
+    mode2_check.native = None if request.param == "numpy" else NATIVE
+    if NATIVE is not None:
+        NATIVE._set_avx2(request.param == "native")
     yield request.param
     mode2_check.native = NATIVE
+    if NATIVE is not None:
+        NATIVE._set_avx2(True)
 
 
 def test_the_native_check_is_built():
@@ -40,6 +47,29 @@ def test_the_native_check_refuses_sections_outside_the_body():
     for pos, n_tensors in ((-1, 2), (0, 31), (0, 3)):  # before the body; more sections than bytes; arrays too short
         with pytest.raises(ValueError, match="out of range|wrong size"):
             NATIVE.layout(body, pos, n_tensors, 1, np.array([4], np.int64), *columns)
+
+
+@pytest.mark.skipif(NATIVE is None, reason="not built")
+@settings(deadline=None, max_examples=200)
+@given(st.data())
+def test_the_native_scan_sums_and_checks_like_numpy(data):
+    """mode2_scan's skip sums and finite check against plain numpy, over sections long and short enough to end
+    anywhere in the 32-entry steps of the AVX2 loop, at any offset, with a value that is not finite anywhere."""
+    counts = data.draw(st.lists(st.integers(0, 200), min_size=1, max_size=4))
+    offset = data.draw(st.integers(0, 40))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    body = rng.integers(0, 256, offset + 3 * sum(counts) + data.draw(st.integers(0, 5)), dtype=np.uint8)
+    entries = body[offset:offset + 3 * sum(counts)].reshape(-1, 3)
+    entries[:, 2] &= 0x7B  # every value finite (an exponent bit cleared) ...
+    if entries.size and data.draw(st.booleans()):  # ... but maybe one
+        entries[data.draw(st.integers(0, len(entries) - 1)), 2] |= 0x7C
+    starts = offset + 3 * np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    sums = np.full(len(counts), -1, np.int64)
+    ok = NATIVE.mode2_scan(body.tobytes(), starts, np.array(counts, np.int64), sums)
+    assert ok == bool(((entries[:, 2] & 0x7C) != 0x7C).all())
+    if ok:
+        skips = np.split(entries[:, 0].astype(np.int64), np.cumsum(counts)[:-1])
+        assert sums.tolist() == [int(k.sum()) for k in skips]
 
 
 def dense(sections, elements):
