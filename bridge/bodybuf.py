@@ -1,4 +1,5 @@
-"""Buffers for large request bodies (DGRD packets) that do not pay a page fault for every 4 KiB they hold.
+"""Buffers for large request bodies (DGRD packets) that do not pay a page fault for every 4 KiB they hold, and whose
+memory serves the next bodies once a body is gone.
 
 A packet body is written once, into memory the process has not touched before: the node's pool keeps accepted
 packets until the training thread takes them, so a body rarely lands in memory freed by an earlier one. Writing 4 MB
@@ -6,18 +7,27 @@ of fresh 4 KiB pages costs ~1000 page faults; inside a node (a process of severa
 threads) each cost about 10 us, so `bytearray(length)` took ~10 ms of a 14 ms Mode 2 request (py-spy, issue #12).
 A private anonymous mapping with MADV_HUGEPAGE faults in 2 MiB at a time: two faults for a 4 MB packet.
 
-Ownership needs no bookkeeping: the array returned keeps its mapping alive (numpy's `base`), and every view of it
-(a decoded packet's sections) keeps the array alive, so the mapping is unmapped, and its memory given back to the
-system, when the last view is gone and not before.
+Fresh memory costs more than its faults on a VM that hands free memory back to its host (virtio-balloon free page
+reporting, as on the machines this project runs on): the kernel reports free 2 MiB blocks to the host, which
+discards them, and the next process to touch one waits for the host to back it again. Writing 4 MB into fresh huge
+pages took 1.1 ms right after another process had freed memory, and 5.0-6.5 ms after 20 s of quiet (same code).
+So a body's mapping is not unmapped when the body dies: `BodyArena` keeps it, resident, for the next body of its
+size class, up to `idle_bytes` of such mappings.
 
-Cost: resident memory is rounded up to whole huge pages, at most 2 MiB over the body per body held; without
-transparent huge pages (``/sys/kernel/mm/transparent_hugepage/enabled`` = never) the advice is ignored and this
-is a plain anonymous mapping, faulted 4 KiB at a time as before.
+Ownership needs no bookkeeping: the array returned keeps its mapping alive (numpy's `base`), and every view of it
+(a decoded packet's sections) keeps the array alive, so the mapping goes back to the arena when the last view is
+gone and not before (a `weakref.finalize` on the array, run on whichever thread drops it).
+
+Cost: resident memory is rounded up to whole huge pages, at most 2 MiB over the body per body held, plus up to
+`idle_bytes` kept for the next bodies; without transparent huge pages (``/sys/kernel/mm/transparent_hugepage/enabled``
+= never) the advice is ignored and this is a plain anonymous mapping, faulted 4 KiB at a time as before.
 """
 from __future__ import annotations
 
 import ctypes
 import mmap
+import threading
+import weakref
 from typing import Union
 
 import numpy as np
@@ -25,6 +35,9 @@ import numpy as np
 HUGE_PAGE_BYTES = 2 << 20  # an x86-64 / arm64 (4 KiB base pages) transparent huge page
 # below this a body stays an ordinary bytearray: it would not fill one huge page
 MIN_HUGE_BODY_BYTES = 1 << 20
+# mappings kept for the next bodies: 16 Mode 2 packets of GPT-2 small at 1%, 6 of Mode 1; a dense packet of every
+# transformer block (170 MB) is larger and is unmapped when it dies
+IDLE_BYTES = 64 << 20
 
 Body = Union[bytearray, np.ndarray]  # what `body_buffer` returns: a writable, C-contiguous buffer of bytes
 
@@ -37,14 +50,58 @@ def _address(mapping: mmap.mmap) -> int:
         del pointer
 
 
+def mapping_bytes(length: int) -> int:
+    """The size class of a body of `length` bytes: its mapping, in whole huge pages, with one of slack so that the
+    body can start at a 2 MiB boundary (the kernel usually aligns a mapping this large already) and its last partial
+    huge page lies inside the mapping, so it is one too."""
+    return -(-length // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES + HUGE_PAGE_BYTES
+
+
+class BodyArena:
+    """Thread-safe: the event loop takes buffers, whichever thread drops a body's last view gives its mapping back."""
+
+    def __init__(self, idle_bytes: int = IDLE_BYTES):
+        self.idle_bytes = idle_bytes  # bound on the mappings kept for the next bodies
+        self._idle: dict[int, list[tuple[mmap.mmap, int]]] = {}  # size class -> (mapping, offset of its 2 MiB page)
+        self._held = 0  # bytes of the mappings in _idle
+        self._lock = threading.Lock()
+
+    @property
+    def held_bytes(self) -> int:
+        with self._lock:
+            return self._held
+
+    def buffer(self, length: int) -> Body:
+        """A writable buffer of `length` bytes (contents undefined), in huge pages when it is large enough."""
+        if length < MIN_HUGE_BODY_BYTES:
+            return bytearray(length)
+        size = mapping_bytes(length)
+        with self._lock:
+            idle = self._idle.get(size)
+            mapping, start = idle.pop() if idle else (None, 0)
+            if mapping is not None:
+                self._held -= size
+        if mapping is None:
+            mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            start = -_address(mapping) % HUGE_PAGE_BYTES  # a multiple of the 4 KiB page: madvise's start must be
+            mapping.madvise(mmap.MADV_HUGEPAGE, start, size - start)
+        body = np.frombuffer(mapping, np.uint8, count=length, offset=start)
+        weakref.finalize(body, self._give_back, mapping, start, size).atexit = False
+        return body
+
+    def _give_back(self, mapping: mmap.mmap, start: int, size: int) -> None:
+        """The body over `mapping` is gone: keep the mapping for the next body of its size, or let it be unmapped."""
+        with self._lock:
+            if self._held + size <= self.idle_bytes:
+                self._idle.setdefault(size, []).append((mapping, start))
+                self._held += size
+                return
+        # over the bound: unmapped when the last reference goes (the array's own export is released right after)
+
+
+ARENA = BodyArena()
+
+
 def body_buffer(length: int) -> Body:
-    """A writable buffer of `length` bytes (contents undefined), in huge pages when it is large enough."""
-    if length < MIN_HUGE_BODY_BYTES:
-        return bytearray(length)
-    # One huge page of slack: the body starts at the first 2 MiB boundary of the mapping (the kernel usually aligns
-    # a mapping this large already), and its last partial huge page lies inside the mapping, so it is one too.
-    size = length + HUGE_PAGE_BYTES
-    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = -_address(mapping) % HUGE_PAGE_BYTES  # a multiple of the 4 KiB page: madvise's start must be
-    mapping.madvise(mmap.MADV_HUGEPAGE, start, size - start)
-    return np.frombuffer(mapping, np.uint8, count=length, offset=start)
+    """A buffer of `length` bytes from the node's arena (`BodyArena.buffer`)."""
+    return ARENA.buffer(length)

@@ -92,7 +92,8 @@ async def read_body(request: web.Request, max_body_bytes: int,
     Read into one buffer of exactly Content-Length bytes from `allocate`, allocated before the first byte arrives:
     request.read() gathers the chunks in a list and joins them, so each body briefly held twice its size in memory.
     Here a node with N uploads in flight holds the N bodies and one socket chunk each. A body cut short by the
-    client is returned as what arrived, as request.read() did. DGRD packets pass `bodybuf.body_buffer` (huge pages).
+    client is returned as what arrived, as request.read() did. DGRD packets pass `bodybuf.body_buffer` (huge pages,
+    kept for the next bodies when a body is gone).
     """
     length = request.content_length
     if length is None:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from bridge import dgrd
-from bridge.bodybuf import HUGE_PAGE_BYTES, MIN_HUGE_BODY_BYTES, body_buffer
+from bridge.bodybuf import HUGE_PAGE_BYTES, MIN_HUGE_BODY_BYTES, BodyArena, body_buffer, mapping_bytes
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -55,18 +55,56 @@ def test_a_written_body_is_in_huge_pages():
     assert entry["AnonHugePages"] >= HUGE_PAGE_BYTES // 1024, entry
 
 
-def test_the_mapping_lives_while_a_decoded_section_does_and_goes_after():
-    """A packet's sections are views of its body: the body's memory must stay until the last one is gone."""
+def test_the_mapping_lives_while_a_decoded_section_does_and_then_serves_the_next_body():
+    """A packet's sections are views of its body: its memory must stay theirs until the last one is gone, and then
+    serve the next body of its size, without a fault or a trip through the host."""
+    arena = BodyArena()
     elements = [3_000_000]
     data = dgrd.encode(1, "n", 1.0, 1, [(0, np.arange(0, 3_000_000, 2), np.ones(1_500_000))], dgrd.FLAGS_MODE2)
-    body = body_buffer(len(data))
+    body = arena.buffer(len(data))
     memoryview(body).cast("B")[:] = data
     address = body.ctypes.data
     section = dgrd.decode(body, elements).sections[0]
     del body
     gc.collect()
-    assert _mapping(address), "unmapped while a section still reads it"
+    assert arena.held_bytes == 0, "given back while a section still reads it"
+    other = arena.buffer(len(data))
+    assert other.ctypes.data != address
+    other[:] = 0  # a new body written while the section lives must not change what it reads
     assert section.indices[-1] == 2_999_998 and section.values.sum() == 1_500_000  # widened from the body's bytes
     del section
     gc.collect()
-    assert not _mapping(address), "the body's mapping outlived every view of it"
+    assert _mapping(address), "unmapped: the next body would fault it in again"
+    assert arena.held_bytes == mapping_bytes(len(data))
+    again = arena.buffer(len(data) - 1000)  # the same size class
+    assert again.ctypes.data == address and arena.held_bytes == 0
+    assert bytes(again[:4]) == b"DGRD"  # the same memory, as it was left: resident
+
+
+def test_mappings_past_the_idle_bound_are_unmapped_and_classes_do_not_mix():
+    arena = BodyArena(idle_bytes=2 * mapping_bytes(4_000_000))
+    bodies = [arena.buffer(4_000_000) for _ in range(3)]
+    addresses = [b.ctypes.data for b in bodies]
+    del bodies
+    gc.collect()
+    assert arena.held_bytes == 2 * mapping_bytes(4_000_000)
+    kept = [a for a in addresses if _mapping(a)]
+    assert len(kept) == 2, "the third mapping should be gone: over the bound"
+    larger = arena.buffer(9_000_000)  # another size class: a new mapping
+    assert larger.ctypes.data not in addresses and arena.held_bytes == 2 * mapping_bytes(4_000_000)
+    taken = [arena.buffer(4_000_000) for _ in range(2)]
+    assert {b.ctypes.data for b in taken} == set(kept) and arena.held_bytes == 0
+
+
+def test_a_body_dropped_on_another_thread_comes_back():
+    """The training thread drops a hand-over's packets; the event loop takes the next buffer."""
+    import threading
+    arena = BodyArena()
+    box = [arena.buffer(2_000_000)]
+    box[0][:5] = list(b"kept!")
+    worker = threading.Thread(target=box.clear)
+    worker.start()
+    worker.join()
+    gc.collect()
+    assert arena.held_bytes == mapping_bytes(2_000_000)
+    assert bytes(arena.buffer(2_000_000)[:5]) == b"kept!"  # the same memory (a new mapping reads zeros)
