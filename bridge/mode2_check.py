@@ -2,9 +2,10 @@
 tensor. What `bridge.dgrd.decode` asks first of a packet's Mode 2 sections; only when the answer is no does it read
 the packet again section by section, to name the problem.
 
-Two implementations of one answer: `bridge/_dgrd_native.c` (one pass in C without the GIL, built by `pip install`)
-when it is built, else numpy passes over the entries gathered 256 KiB at a time. `tests/test_dgrd.py` runs every
-decode test on each.
+Two implementations of one answer: `bridge/_dgrd_native.c` (one pass in C without the GIL, with AVX2 where the CPU
+has it, built by `pip install`) when it is built, else numpy passes over the entries gathered 256 KiB at a time.
+`tests/test_dgrd.py` runs every decode test on each (and on the C scan's scalar loop). `bridge.dgrd` walks a packet's
+section headers with the same module when it is built.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Optional
 
 import numpy as np
 
-try:  # the check in one pass of C (bridge/_dgrd_native.c): a third of the numpy passes' time
+try:  # the check in one pass of C (bridge/_dgrd_native.c): 0.19 ms for GPT-2 small's 1.34M entries, numpy's 3 ms
     from bridge import _dgrd_native as native
 except ImportError:  # not built (no C compiler where it was installed): the same checks with numpy
     native = None
