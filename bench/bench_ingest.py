@@ -1,9 +1,9 @@
 """Ingest speed of DGRD packets: decode + validate + accumulate, per mode, on GPT-2-small shapes.
 
-Compares ``bridge.dgrd`` (whole-array numpy; its Mode 2 check in C when ``bridge._dgrd_native`` is built) with a
-straightforward per-entry Python decoder (``struct.unpack_from`` in a loop, then ``acc[i] += w * v`` per entry) in the
-same run. The per-entry decoder runs on a slice of the packet (a few tensors) and its rate is scaled; the table says
-which slice.
+Compares ``bridge.dgrd`` (whole-array numpy; its section walk and Mode 2 check in C when ``bridge._dgrd_native`` is
+built) with a straightforward per-entry Python decoder (``struct.unpack_from`` in a loop, then ``acc[i] += w * v`` per
+entry) in the same run. The per-entry decoder runs on a slice of the packet (a few tensors) and its rate is scaled;
+the table says which slice.
 
     python bench/bench_ingest.py [--density 0.01] [--dense-elements 10_000_000] [--repeats 5]
     python bench/bench_ingest.py --http [--repeats 5]

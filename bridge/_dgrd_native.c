@@ -23,18 +23,21 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Entries from byte `from` to `bytes` of one section: skips added to *sum; nonzero if a value is not finite. */
+static inline uint8_t scan_entries(const uint8_t *p, int64_t from, int64_t bytes, uint64_t *sum) {
+    uint8_t not_finite = 0;
+    for (int64_t i = from; i < bytes; i += 3) {
+        *sum += p[i];
+        not_finite |= (uint8_t)((p[i + 2] & 0x7C) == 0x7C);
+    }
+    return not_finite;
+}
+
 static int scan_scalar(const uint8_t *body, const int64_t *starts, const int64_t *counts, int64_t *sums,
                        Py_ssize_t n) {
     for (Py_ssize_t s = 0; s < n; s++) {
-        const uint8_t *p = body + starts[s];
-        const int64_t count = counts[s];
         uint64_t sum = 0;
-        uint8_t not_finite = 0;
-        for (int64_t k = 0; k < count; k++, p += 3) {
-            sum += p[0];
-            not_finite |= (uint8_t)((p[2] & 0x7C) == 0x7C);
-        }
-        if (not_finite)
+        if (scan_entries(body + starts[s], 0, counts[s] * 3, &sum))
             return 0;
         sums[s] = (int64_t)sum;
     }
@@ -85,11 +88,7 @@ __attribute__((target("avx2"))) static int scan_avx2(const uint8_t *body, const 
         uint64_t lanes[4];
         _mm256_storeu_si256((__m256i *)lanes, sum4);
         uint64_t sum = lanes[0] + lanes[1] + lanes[2] + lanes[3];
-        uint8_t not_finite = !_mm256_testz_si256(bad, bad);
-        for (; i < bytes; i += 3) { /* the last entries, fewer than 32 */
-            sum += p[i];
-            not_finite |= (uint8_t)((p[i + 2] & 0x7C) == 0x7C);
-        }
+        const uint8_t not_finite = !_mm256_testz_si256(bad, bad) | scan_entries(p, i, bytes, &sum); /* < 32 left */
         if (not_finite)
             return 0;
         sums[s] = (int64_t)sum;
