@@ -1,5 +1,9 @@
-"""Request-body buffers in huge pages: their size and alignment, their pages, and when their memory goes back."""
+"""Request-body buffers in huge pages: their size and alignment, their pages, when their memory goes back, and the
+reserve of warm memory made between uploads."""
+import ctypes
 import gc
+import mmap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -7,6 +11,7 @@ import pytest
 
 from bridge import dgrd
 from bridge.bodybuf import HUGE_PAGE_BYTES, MIN_HUGE_BODY_BYTES, BodyArena, body_buffer, mapping_bytes
+from tests.nodeproc import wait_until
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -27,6 +32,16 @@ def _mapping(address: int) -> dict:
         elif entry and head == "VmFlags:":
             entry["VmFlags"] = line.split()[1:]
     return entry
+
+
+def _resident_bytes(body: np.ndarray) -> int:
+    """Bytes of the pages under `body` that are in memory now (mincore(2)): faulted in, by a write or ahead of it."""
+    pages = -(-body.size // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mincore(ctypes.c_void_p(body.ctypes.data), ctypes.c_size_t(body.size), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(v & 1 for v in vec) * mmap.PAGESIZE
 
 
 def test_small_bodies_stay_bytearrays():
@@ -108,3 +123,31 @@ def test_a_body_dropped_on_another_thread_comes_back():
     gc.collect()
     assert arena.held_bytes == mapping_bytes(2_000_000)
     assert bytes(arena.buffer(2_000_000)[:5]) == b"kept!"  # the same memory (a new mapping reads zeros)
+
+
+def test_the_reserve_faults_memory_in_for_the_next_bodies_once_bodies_stop_coming():
+    """A pool keeps its packets until the next update, so each body needs memory that no body has freed: the reserve
+    faults it in between uploads, and not while they keep coming."""
+    arena = BodyArena(reserve=2, quiet_s=2.0)
+    kept = [arena.buffer(4_000_000)]  # the pool keeps them: nothing comes back to the arena
+    for _ in range(3):  # takes closer together than quiet_s: nothing is made ahead meanwhile
+        time.sleep(0.1)
+        kept.append(arena.buffer(4_000_000))
+        assert arena.held_bytes == 0
+    assert [_resident_bytes(b) for b in kept] == [0] * 4, "fresh memory: the request writing it faults it in"
+    wait_until(lambda: arena.held_bytes == 2 * mapping_bytes(4_000_000), 15, "the reserve", interval_s=0.05)
+    time.sleep(0.3)
+    assert arena.held_bytes == 2 * mapping_bytes(4_000_000), "made `reserve` ahead, no more"
+    warm = [arena.buffer(4_000_000) for _ in range(2)]
+    assert {b.ctypes.data for b in warm}.isdisjoint(b.ctypes.data for b in kept)
+    assert all(_resident_bytes(b) >= b.size for b in warm), "in memory before its first write"
+
+
+def test_the_reserve_stays_within_the_idle_bound_the_latest_size_first():
+    arena = BodyArena(idle_bytes=mapping_bytes(4_000_000), reserve=2, quiet_s=0.05)
+    kept = [arena.buffer(2_000_000), arena.buffer(4_000_000)]  # two size classes, the larger taken last
+    wait_until(lambda: arena.held_bytes == mapping_bytes(4_000_000), 15, "the reserve", interval_s=0.05)
+    time.sleep(0.3)
+    assert arena.held_bytes == mapping_bytes(4_000_000), "the bound has room for one mapping of the latest class"
+    warm = arena.buffer(4_000_000)
+    assert _resident_bytes(warm) >= warm.size and _resident_bytes(kept[1]) == 0
