@@ -6,12 +6,15 @@ entry) in the same run. The per-entry decoder runs on a slice of the packet (a f
 the table says which slice.
 
     python bench/bench_ingest.py [--density 0.01] [--dense-elements 10_000_000] [--repeats 5]
-    python bench/bench_ingest.py --http [--repeats 5]
+    python bench/bench_ingest.py --http [--repeats 5] [--burst 2] [--modes 123]
 
 ``--http`` measures what issue #12 asks for instead: the same packets (Mode 3 on every transformer block) POSTed one
 after another to a real ``dtrain-node`` (GPT-2 small), next to a ceiling measured in the same run: an aiohttp server
-in another process that only reads the body and answers JSON. It also reports how much the node's peak memory
-(VmHWM, what ``/usr/bin/time -v`` calls maximum resident set size, reset just before) grows in 20 concurrent uploads.
+in another process that only reads the body and answers JSON. The two take turns, ``--burst`` packets each, and each
+turn starts once the other server is quiet: what a server does after its answers (the node refills its reserve of
+warm body memory, ``bridge.bodybuf``) is not done on the other's time, and is counted in its own CPU. It also reports
+how much the node's peak memory (VmHWM, what ``/usr/bin/time -v`` calls maximum resident set size, reset just before)
+grows in 20 concurrent uploads.
 
 ``--http --stages`` takes the node's Mode 2 request path apart: the packet POSTed to small servers (no node) that
 each do one more step of it (``STAGES``), next to the ceiling, in one run.
@@ -199,13 +202,14 @@ def stages_main(args, packet: bytes, warm_up: list[bytes]) -> None:
             for stage, (port, proc) in servers.items():
                 cpu = cpu_seconds(proc.pid)
                 times[stage] += asyncio.run(post_all(f"http://127.0.0.1:{port}/api/v1/train/submit", [packet] * 2))
-                cpu_s[stage] += cpu_seconds(proc.pid) - cpu
+                cpu_s[stage] += cpu_seconds(proc.pid) - cpu + settle(proc.pid)
     finally:
         for _, proc in servers.values():
             proc.terminate()
             proc.wait(10)
     print(f"Mode 2 packet ({len(packet) / 1e6:.2f} MB, GPT-2 small, density {args.density:g}) POSTed to one small "
-          f"server per stage, interleaved, {args.repeats} x 2 each; {os.cpu_count()} CPUs.\n")
+          f"server per stage, interleaved, {args.repeats} x 2 each, each timed once the one before was quiet (its CPU"
+          f" counts until then); {os.cpu_count()} CPUs.\n")
     print("| stage | what the server does | best ms | median ms | server CPU ms per packet | best, ratio to ceiling |")
     print("|---|---|---:|---:|---:|---:|")
     base = min(times["ceiling"])
@@ -234,6 +238,33 @@ async def post_all(url: str, packets: list[bytes], concurrent: bool = False) -> 
         if concurrent:
             return list(await asyncio.gather(*(one(p) for p in packets)))
         return [await one(p) for p in packets]
+
+
+def thread_cpu_seconds(pid: int) -> float:
+    """CPU time of every thread of `pid` to the nanosecond (/proc/PID/task/*/schedstat), where /proc/PID/stat counts
+    10 ms ticks; threads that end in between are not counted."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return total / 1e9
+
+
+def settle(pid: int, window_s: float = 0.05, busy_fraction: float = 0.05, timeout_s: float = 10.0) -> float:
+    """Wait (bounded) until `pid` uses under `busy_fraction` of a core over `window_s`; CPU seconds it used from the
+    call to the start of that quiet window."""
+    start, deadline = thread_cpu_seconds(pid), time.monotonic() + timeout_s
+    before = start
+    while time.monotonic() < deadline:
+        time.sleep(window_s)
+        now = thread_cpu_seconds(pid)
+        if now - before < busy_fraction * window_s:
+            return before - start
+        before = now
+    return before - start
 
 
 def vm_kib(pid: int, field: str) -> int:
@@ -281,15 +312,19 @@ def http_main(args, cases, warm_up: list[bytes]) -> None:
                 data = _restep(data, step)
                 urls = (f"{node.url}/api/v1/train/submit", f"http://127.0.0.1:{port}/api/v1/train/submit")
                 pids = dict(zip(urls, (node.proc.pid, ceiling.pid)))
-                times, cpu_s = {u: [] for u in urls}, {u: 0.0 for u in urls}
+                times, cpu_s, after_s = {u: [] for u in urls}, {u: 0.0 for u in urls}, {u: 0.0 for u in urls}
                 for _ in range(args.repeats):  # interleaved: both see the same machine load
                     for u in urls:
                         cpu = cpu_seconds(pids[u])
-                        times[u] += asyncio.run(post_all(u, [data] * 2))
+                        times[u] += asyncio.run(post_all(u, [data] * args.burst))
                         cpu_s[u] += cpu_seconds(pids[u]) - cpu
+                        # what a server does after its answers (the node refills its body reserve) is done before
+                        # the other is timed, and counted as its own
+                        after_s[u] += settle(pids[u])
                 mb = len(data) / 1e6
                 rows.append((mode, mb, *(mb / min(times[u]) for u in urls), *(mb / np.median(times[u]) for u in urls),
-                             *(1e3 * cpu_s[u] / len(times[u]) for u in urls)))
+                             *(1e3 * cpu_s[u] / len(times[u]) for u in urls),
+                             *(1e3 * after_s[u] / len(times[u]) for u in urls)))
             burst_mode, burst = cases[0][0].split()[0], _restep(cases[0][1], step)
             before_kib = vm_kib(node.proc.pid, "VmRSS")
             reset = _reset_peak(node.proc.pid)  # VmHWM := VmRSS, so the peak read below is the burst's own
@@ -302,19 +337,21 @@ def http_main(args, cases, warm_up: list[bytes]) -> None:
             ceiling.wait(10)
 
     print(f"GPT-2 small (configs/gpt2-small.json), density {args.density:g}; each packet POSTed one after another "
-          f"on one keep-alive connection, best (and median) of {args.repeats} x 2, dtrain and ceiling interleaved in "
-          f"this run. "
+          f"on one keep-alive connection, best (and median) of {args.repeats} x {args.burst}, dtrain and ceiling "
+          f"interleaved in this run, each timed once the other was quiet. "
           f"{os.cpu_count()} CPUs, Python {platform.python_version()}, numpy {np.__version__}.\n")
     print("| path | packet MB | dtrain MB/s | ceiling MB/s | ratio | median: dtrain / ceiling MB/s (ratio) "
-          "| server CPU ms per packet: dtrain / ceiling (ratio) |")
+          "| server CPU ms per packet: dtrain + after / ceiling + after (ratio) |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for mode, mb, ours, ceil, ours_med, ceil_med, ours_cpu, ceil_cpu in rows:
+    for mode, mb, ours, ceil, ours_med, ceil_med, ours_cpu, ceil_cpu, ours_after, ceil_after in rows:
         print(f"| Mode {mode} | {mb:.1f} | {ours:,.0f} | {ceil:,.0f} | {ours / ceil:.2f} "
               f"| {ours_med:,.0f} / {ceil_med:,.0f} ({ours_med / ceil_med:.2f}) "
-              f"| {ours_cpu:.1f} / {ceil_cpu:.1f} ({ceil_cpu / ours_cpu:.2f}) |")
-    print("\nServer CPU: user + system time of the server's process (every thread) over its posts, per packet; its"
-          " ratio is ceiling / dtrain, so it reads like the MB/s ratio, and a loaded machine changes it less than wall"
-          " time.")
+              f"| {ours_cpu:.1f} + {ours_after:.1f} / {ceil_cpu:.1f} + {ceil_after:.1f} "
+              f"({(ceil_cpu + ceil_after) / (ours_cpu + ours_after):.2f}) |")
+    print("\nServer CPU: user + system time of the server's process (every thread) over its posts, per packet, then"
+          " (+) from its last answer until it was quiet (the node refills its reserve of warm body memory then); the"
+          " ratio is ceiling / dtrain of the sums, so it reads like the MB/s ratio, and a loaded machine changes it"
+          " less than wall time.")
     mb = len(burst) / 1e6
     base_kib = before_kib if reset else hwm_before
     print(f"\nNode memory: RSS {before_kib / 1024:,.0f} MiB before a burst of {args.concurrent} concurrent "
@@ -369,6 +406,7 @@ def main():
                     help="entries the per-entry Python decoder gets (its slice)")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per mode; best is kept")
     ap.add_argument("--http", action="store_true", help="POST to a real node next to the ceiling server")
+    ap.add_argument("--burst", type=int, default=2, help="--http: packets POSTed back to back per turn")
     ap.add_argument("--concurrent", type=int, default=20, help="--http: uploads in the memory burst")
     ap.add_argument("--start-timeout", type=float, default=180.0, help="--http: seconds for the node to start")
     ap.add_argument("--ceiling-keeps-bodies", action="store_true",
