@@ -153,7 +153,7 @@ STAGES = {  # --stages: what each small server does with a body, each adding one
     "ceiling": "request.read(), answer (the issue's ceiling)",
     "keep": "request.read(), keep the body (as the node's pool keeps every packet in this run)",
     "body": "bridge.http.read_body into a bridge.bodybuf buffer (huge pages), keep it",
-    "decode": "read_body, keep, and dgrd.decode on the default executor (the node's whole check)",
+    "decode": "read_body, keep, and dgrd.decode where the node runs it (on the event loop up to INLINE_INGEST_BYTES)",
 }
 
 
@@ -165,6 +165,7 @@ def serve_ceiling(port: int, keep: bool = False, stage: str = "ceiling", element
     from aiohttp import web
     from bridge.bodybuf import body_buffer
     from bridge.http import read_body
+    from bridge.training_routes import INLINE_INGEST_BYTES
     kept = []
 
     async def submit(request):
@@ -172,7 +173,9 @@ def serve_ceiling(port: int, keep: bool = False, stage: str = "ceiling", element
             body = await request.read()
         else:
             body = await read_body(request, 1 << 31, body_buffer)
-        if stage == "decode":
+        if stage == "decode" and len(body) <= INLINE_INGEST_BYTES:
+            dgrd.decode(body, elements)
+        elif stage == "decode":
             await asyncio.get_running_loop().run_in_executor(None, dgrd.decode, body, elements)
         if keep or stage != "ceiling":
             kept.append(body)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from bridge import dgrd
+from bridge.training_routes import INLINE_INGEST_BYTES
 from node.config import ModelConfig
 from node.model import build_model
 from tests.nodeproc import REPO, TINY_CONFIG, NodeProcess, new_run_id, wait_until
@@ -339,15 +340,15 @@ def _send_in_pieces(node, packet: bytes, pieces: int = 10, pause_s: float = 0.05
 
 
 def test_submit_a_large_packet_sent_in_pieces(node, elements):
-    """A Mode 2 body of several MB (a huge-page body buffer) sent in pieces with pauses between them: a value that is
-    not finite two thirds in is named as decode names it, and nothing is applied; without it the packet is
-    accepted and makes one update."""
+    """A Mode 2 body of several MB (a huge-page body buffer, decoded on the executor) sent in pieces with pauses
+    between them: a value that is not finite two thirds in is named as decode names it, and nothing is applied;
+    without it the packet is accepted and makes one update."""
     step = current_step(node)
     rng = np.random.default_rng(3)
     idx = np.sort(rng.choice(elements[0], elements[0] * 9 // 10, replace=False))
     good = dgrd.encode(step, "large", 1.0, 1, [(1, np.array([0, 3]), np.ones(2)),
                                                (0, idx, rng.standard_normal(idx.size))], dgrd.FLAGS_MODE2)
-    assert len(good) > 4 << 20
+    assert len(good) > INLINE_INGEST_BYTES  # the other packets of this module are decoded on the event loop
     bad = bytearray(good)
     # every exponent bit of an entry's value: the sparse bodies start at byte 1 mod 3 (33 + 8 + 6 + 8 = 55), so the
     # bytes at 0 mod 3 are the values' high bytes
