@@ -165,7 +165,9 @@ def serve_ceiling(port: int, keep: bool = False, stage: str = "ceiling", element
     from aiohttp import web
     from bridge.bodybuf import body_buffer
     from bridge.http import read_body
-    from bridge.training_routes import INLINE_INGEST_BYTES
+    inline_bytes = 0
+    if stage == "decode":  # the ceiling imports nothing of the node's
+        from bridge.training_routes import INLINE_INGEST_BYTES as inline_bytes
     kept = []
 
     async def submit(request):
@@ -173,7 +175,7 @@ def serve_ceiling(port: int, keep: bool = False, stage: str = "ceiling", element
             body = await request.read()
         else:
             body = await read_body(request, 1 << 31, body_buffer)
-        if stage == "decode" and len(body) <= INLINE_INGEST_BYTES:
+        if stage == "decode" and len(body) <= inline_bytes:
             dgrd.decode(body, elements)
         elif stage == "decode":
             await asyncio.get_running_loop().run_in_executor(None, dgrd.decode, body, elements)
