@@ -14,8 +14,13 @@
  *   Returns False as soon as a value is not finite (its five exponent bits all ones), True otherwise. The loop
  *   runs without the GIL, with AVX2 where the CPU has it (_set_avx2 switches to the scalar loop, for tests).
  *
- * Both raise ValueError for arrays of the wrong size or a section outside body. Only speed is at stake:
- * bridge/dgrd.py and bridge/mode2_check.py do the same in Python and numpy when this module is not built, and
+ * mode1_scan(body, starts, counts, maxima) -> bool
+ *   the same for Mode 1 sections, whose entry k is (u32 index, f32 value) at start + 8k: maxima (int64[n], written)
+ *   gets each section's largest index, and False comes as soon as a value is not finite (its exponent bits all
+ *   ones). Without the GIL, the loop vectorized by the compiler for AVX2 where the CPU has it.
+ *
+ * All three raise ValueError for arrays of the wrong size or a section outside body. Only speed is at stake:
+ * bridge/dgrd.py and bridge/sparse_check.py do the same in Python and numpy when this module is not built, and
  * tests hold the two to the same answers.
  */
 #define PY_SSIZE_T_CLEAN
@@ -107,19 +112,62 @@ static int scan(const uint8_t *body, const int64_t *starts, const int64_t *count
     return scan_scalar(body, starts, counts, sums, n);
 }
 
-static PyObject *mode2_scan(PyObject *self, PyObject *args) {
-    Py_buffer body, starts, counts, sums;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*", &body, &starts, &counts, &sums))
+/* Mode 1: entries (u32 index, f32 value), 8 bytes each; the largest index of each section into maxima. */
+static inline __attribute__((always_inline)) int scan1_body(const uint8_t *body, const int64_t *starts,
+                                                            const int64_t *counts, int64_t *maxima, Py_ssize_t n) {
+    for (Py_ssize_t s = 0; s < n; s++) {
+        const uint8_t *p = body + starts[s];
+        uint32_t largest = 0, not_finite = 0;
+        for (int64_t k = 0; k < counts[s]; k++) {
+            uint32_t index, bits; /* little-endian on the wire and on the host */
+            memcpy(&index, p + 8 * k, 4);
+            memcpy(&bits, p + 8 * k + 4, 4);
+            largest = index > largest ? index : largest;
+            not_finite |= (bits & 0x7F800000u) == 0x7F800000u;
+        }
+        if (not_finite)
+            return 0;
+        maxima[s] = largest;
+    }
+    return 1;
+}
+
+static int scan1_scalar(const uint8_t *body, const int64_t *starts, const int64_t *counts, int64_t *maxima,
+                        Py_ssize_t n) {
+    return scan1_body(body, starts, counts, maxima, n);
+}
+
+#ifdef HAVE_AVX2_PATH
+__attribute__((target("avx2"))) static int scan1_avx2(const uint8_t *body, const int64_t *starts,
+                                                      const int64_t *counts, int64_t *maxima, Py_ssize_t n) {
+    return scan1_body(body, starts, counts, maxima, n);
+}
+#endif
+
+static int scan1(const uint8_t *body, const int64_t *starts, const int64_t *counts, int64_t *maxima, Py_ssize_t n) {
+#ifdef HAVE_AVX2_PATH
+    if (use_avx2)
+        return scan1_avx2(body, starts, counts, maxima, n);
+#endif
+    return scan1_scalar(body, starts, counts, maxima, n);
+}
+
+typedef int (*scan_fn)(const uint8_t *, const int64_t *, const int64_t *, int64_t *, Py_ssize_t);
+
+/* mode2_scan and mode1_scan: the arguments checked, then `fn` over the sections without the GIL. */
+static PyObject *scan_sections(PyObject *args, int64_t entry_bytes, scan_fn fn) {
+    Py_buffer body, starts, counts, out;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*", &body, &starts, &counts, &out))
         return NULL;
     PyObject *result = NULL;
     Py_ssize_t n = starts.len / (Py_ssize_t)sizeof(int64_t);
-    if (starts.len % sizeof(int64_t) || counts.len != starts.len || sums.len != starts.len) {
-        PyErr_SetString(PyExc_ValueError, "starts, counts and sums must be int64 arrays of one length");
+    if (starts.len % sizeof(int64_t) || counts.len != starts.len || out.len != starts.len) {
+        PyErr_SetString(PyExc_ValueError, "starts, counts and the output must be int64 arrays of one length");
         goto done;
     }
     const int64_t *st = starts.buf, *ct = counts.buf;
     for (Py_ssize_t s = 0; s < n; s++) {
-        if (st[s] < 0 || ct[s] < 0 || ct[s] > (body.len - st[s]) / 3 || st[s] > body.len) {
+        if (st[s] < 0 || ct[s] < 0 || st[s] > body.len || ct[s] > (body.len - st[s]) / entry_bytes) {
             PyErr_Format(PyExc_ValueError, "section %zd (start %lld, %lld entries) is outside the %zd-byte body",
                          s, (long long)st[s], (long long)ct[s], body.len);
             goto done;
@@ -127,16 +175,20 @@ static PyObject *mode2_scan(PyObject *self, PyObject *args) {
     }
     int ok;
     Py_BEGIN_ALLOW_THREADS
-    ok = scan(body.buf, st, ct, sums.buf, n);
+    ok = fn(body.buf, st, ct, out.buf, n);
     Py_END_ALLOW_THREADS
     result = PyBool_FromLong(ok);
 done:
     PyBuffer_Release(&body);
     PyBuffer_Release(&starts);
     PyBuffer_Release(&counts);
-    PyBuffer_Release(&sums);
+    PyBuffer_Release(&out);
     return result;
 }
+
+static PyObject *mode2_scan(PyObject *self, PyObject *args) { return scan_sections(args, 3, scan); }
+
+static PyObject *mode1_scan(PyObject *self, PyObject *args) { return scan_sections(args, 8, scan1); }
 
 static const int64_t SECTION_HEADER = 8; /* u32 tensor_id, u32 nnz */
 
@@ -214,6 +266,9 @@ static PyObject *set_avx2(PyObject *self, PyObject *arg) {
 static PyMethodDef methods[] = {
     {"mode2_scan", mode2_scan, METH_VARARGS,
      "mode2_scan(body, starts, counts, sums) -> bool: skip sums per section into sums; False if a value is not finite"},
+    {"mode1_scan", mode1_scan, METH_VARARGS,
+     "mode1_scan(body, starts, counts, maxima) -> bool: largest index per section into maxima; False if a value is "
+     "not finite"},
     {"layout", layout, METH_VARARGS,
      "layout(body, pos, n_tensors, flags, elements, tids, nnzs, starts) -> bool: the section headers, if all good"},
     {"_set_avx2", set_avx2, METH_O,

@@ -28,7 +28,7 @@ Mode 2 indices: the first is ``skip[0]``, each next is ``previous + skip + 1``, 
 ``accumulate``s applies a packet entirely or not at all. It validates with reductions over the packet's own
 bytes and allocates nothing per entry: sparse sections come back as ``LazySection``s that widen their indices
 to int64 and their values to float32 when first read (on the node's training thread), once. It reads the section
-headers first, then checks every Mode 2 section's entries at once (``bridge.mode2_check``); only a bad packet
+headers first, then checks every sparse section's entries at once (``bridge.sparse_check``); only a bad packet
 is read again section by section, so that it fails with the problem a reading in packet order meets first.
 """
 
@@ -41,7 +41,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from bridge import mode2_check
+from bridge import sparse_check
 from node.contribution import AnySection, LazySection, LazySections, Section, add_sections
 
 MAGIC = b"DGRD"
@@ -59,7 +59,7 @@ MODE1_ENTRY = np.dtype([("i", "<u4"), ("v", "<f4")])  # itemsize 8
 MODE2_ENTRY = np.dtype([("s", "<u1"), ("v", "<f2")])  # packed, itemsize 3
 DENSE_ENTRY = np.dtype("<f2")
 MODE1_ENTRY_BYTES, MODE2_ENTRY_BYTES, DENSE_ENTRY_BYTES = MODE1_ENTRY.itemsize, MODE2_ENTRY.itemsize, DENSE_ENTRY.itemsize
-CHECK_CHUNK_BYTES = mode2_check.SCRATCH_BYTES  # scratch of one validation pass: 256 KiB, stays in cache
+CHECK_CHUNK_BYTES = sparse_check.SCRATCH_BYTES  # scratch of one validation pass: 256 KiB, stays in cache
 
 # float32 value of every float16 bit pattern (inf and NaN included, so a check after the lookup
 # still sees them): numpy casts float16 in software, a 256 KiB table lookup is ~7x faster
@@ -148,10 +148,10 @@ def _check_mode2(tid: int, raw: np.ndarray, elements: int, scratch: np.ndarray) 
     nnz = raw.size // MODE2_ENTRY_BYTES
     if int(np.add.reduce(raw[0::3], dtype=np.int64)) + nnz - 1 >= elements:
         _check_bounds(tid, _mode2_indices(raw), elements)
-    step = mode2_check.EXPONENT_MASK.size
+    step = sparse_check.EXPONENT_MASK.size
     for start in range(0, raw.size, step):
         chunk = raw[start:start + step]
-        if np.maximum.reduce(np.bitwise_and(chunk, mode2_check.EXPONENT_MASK[:chunk.size], out=scratch[:chunk.size])) == 0x7C:
+        if np.maximum.reduce(np.bitwise_and(chunk, sparse_check.EXPONENT_MASK[:chunk.size], out=scratch[:chunk.size])) == 0x7C:
             _not_finite(tid, _half_to_f32(raw.view(MODE2_ENTRY)["v"]))
 
 
@@ -205,10 +205,10 @@ def _layout(buf: memoryview, pos: int, n_tensors: int, flags: int, tensor_elemen
     (not raised: the values of the sections before it are checked first, as a reading section by section would).
     A good packet's headers are walked in C (`_dgrd_native.layout`) when it is built; this reads them again, in
     Python, only to name a problem."""
-    if mode2_check.native is not None:
+    if sparse_check.native is not None:
         elements = np.asarray(tensor_elements, np.int64)
         tids, nnzs, starts = (np.empty(n_tensors, np.int64) for _ in range(3))
-        if mode2_check.native.layout(buf, pos, n_tensors, flags, elements, tids, nnzs, starts):
+        if sparse_check.native.layout(buf, pos, n_tensors, flags, elements, tids, nnzs, starts):
             return Layout(tids, nnzs, starts, elements[tids]), None
     rows: list[tuple[int, int, int, int]] = []
     seen: set[int] = set()
@@ -259,18 +259,23 @@ def _raise_first_invalid(buf: memoryview, layout: Layout, flags: int, scratch: n
 
 
 def _values_valid(buf: memoryview, layout: Layout, flags: int, scratch: np.ndarray) -> bool:
-    """Whether every section's values are within bounds and finite; Mode 2 sections in one gathered pass."""
-    mode2 = layout.nnzs > 0 if flags == FLAGS_MODE2 else np.zeros(layout.nnzs.size, bool)
-    others = np.flatnonzero(~mode2)
+    """Whether every section's values are within bounds and finite: the sparse ones in one pass (Mode 2 always,
+    Mode 1 when the C module is built), the others one by one."""
+    at_once = flags == FLAGS_MODE2 or sparse_check.native is not None
+    sparse = layout.nnzs > 0 if at_once else np.zeros(layout.nnzs.size, bool)
+    others = np.flatnonzero(~sparse)
     for tid, nnz, start, elements in zip(*(column[others].tolist() for column in
                                            (layout.tids, layout.nnzs, layout.starts, layout.elements))):
         try:
             _check_section(buf, flags, tid, nnz, start, elements, scratch)
         except PacketError:
             return False
-    if others.size == mode2.size:
+    if others.size == sparse.size:
         return True
-    return mode2_check.valid(buf, layout.nnzs[mode2], layout.starts[mode2], layout.elements[mode2], scratch)
+    columns = layout.nnzs[sparse], layout.starts[sparse], layout.elements[sparse]
+    if flags == FLAGS_MODE2:
+        return sparse_check.mode2_valid(buf, *columns, scratch)
+    return sparse_check.mode1_valid(buf, *columns)
 
 
 def _sections(buf: memoryview, layout: Layout, flags: int) -> tuple[AnySection, ...]:

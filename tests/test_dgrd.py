@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from bridge import dgrd, mode2_check
+from bridge import dgrd, sparse_check
 from bridge.dgrd import PacketError
 
 ELEMENTS = [4096, 10, 1000, 3]
-NATIVE = mode2_check.native  # bridge._dgrd_native, built by the install
+NATIVE = sparse_check.native  # bridge._dgrd_native, built by the install
 
 
 @pytest.fixture(scope="module", autouse=True, params=["native", "native-scalar", "numpy"])
@@ -19,11 +19,11 @@ def check_path(request):
     and with the scalar loop), and with numpy's passes."""
     if request.param == "native-scalar" and NATIVE is None:
         pytest.skip("bridge/_dgrd_native.c not built")
-    mode2_check.native = None if request.param == "numpy" else NATIVE
+    sparse_check.native = None if request.param == "numpy" else NATIVE
     if NATIVE is not None:
         NATIVE._set_avx2(request.param == "native")
     yield request.param
-    mode2_check.native = NATIVE
+    sparse_check.native = NATIVE
     if NATIVE is not None:
         NATIVE._set_avx2(True)
 
@@ -446,7 +446,7 @@ def test_first_bad_section_wins_over_a_later_broken_layout():
 
 
 def test_every_entry_around_a_gathering_boundary_is_checked():
-    per_gathering = mode2_check.EXPONENT_MASK.size // 3  # entries
+    per_gathering = sparse_check.EXPONENT_MASK.size // 3  # entries
     entries_2 = BIG_BODIES[0][1] // 3  # tensor 2 is gathered first, then tensor 0
     boundary = per_gathering - entries_2  # tensor 0's first entry in the second gathering
     cases = [(0, 2, 0), (0, 2, entries_2 - 1), (1, 0, boundary - 1), (1, 0, boundary), (1, 0, 99_999)]

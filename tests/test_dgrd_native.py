@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from bridge import dgrd, mode2_check
+from bridge import dgrd, sparse_check
 
 ELEMENTS = [4096, 10, 1000, 3]
-NATIVE = mode2_check.native  # bridge._dgrd_native, built by the install
+NATIVE = sparse_check.native  # bridge._dgrd_native, built by the install
 
 
 @pytest.fixture(scope="module", params=["avx2", "scalar"])
@@ -36,6 +36,10 @@ def test_the_native_check_refuses_sections_outside_the_body():
     with pytest.raises(ValueError, match="one length"):
         NATIVE.mode2_scan(body, np.zeros(2, np.int64), np.zeros(1, np.int64), sums)
     assert NATIVE.mode2_scan(body, np.array([0], np.int64), np.array([10], np.int64), sums) and sums[0] == 0
+    for start, count in ((23, 1), (-1, 1), (0, 4), (31, 0)):  # Mode 1 entries are 8 bytes
+        with pytest.raises(ValueError, match="outside the 30-byte body"):
+            NATIVE.mode1_scan(body, np.array([start], np.int64), np.array([count], np.int64), sums)
+    assert NATIVE.mode1_scan(body, np.array([22], np.int64), np.array([1], np.int64), sums) and sums[0] == 0
     columns = [np.zeros(2, np.int64) for _ in range(3)]
     for pos, n_tensors in ((-1, 2), (0, 31), (0, 3)):  # before the body; more sections than bytes; arrays too short
         with pytest.raises(ValueError, match="out of range|wrong size"):
@@ -66,6 +70,30 @@ def test_the_native_scan_sums_and_checks_like_numpy(scan_path, data):
 
 
 @pytest.mark.skipif(NATIVE is None, reason="not built")
+@settings(deadline=None, max_examples=200)
+@given(st.data())
+def test_the_native_mode1_scan_finds_the_largest_index_and_checks_like_numpy(scan_path, data):
+    """mode1_scan's largest index per section and finite check against plain numpy, over sections of any length at
+    any offset, indices anywhere in u32 (unsorted, repeated), with a value that is not finite anywhere."""
+    counts = data.draw(st.lists(st.integers(0, 100), min_size=1, max_size=4))
+    offset = data.draw(st.integers(0, 40))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    body = rng.integers(0, 256, offset + 8 * sum(counts) + data.draw(st.integers(0, 9)), dtype=np.uint8)
+    entries = body[offset:offset + 8 * sum(counts)].view(dgrd.MODE1_ENTRY)
+    bits = entries["v"].view("<u4")
+    bits &= ~np.uint32(1 << 30)  # every value finite (an exponent bit cleared) ...
+    if entries.size and data.draw(st.booleans()):  # ... but maybe one: infinity or a NaN
+        bits[data.draw(st.integers(0, len(entries) - 1))] |= np.uint32(0x7F800000)
+    starts = offset + 8 * np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    maxima = np.full(len(counts), -1, np.int64)
+    ok = NATIVE.mode1_scan(body.tobytes(), starts, np.array(counts, np.int64), maxima)
+    assert ok == bool(np.isfinite(entries["v"]).all())
+    if ok:
+        indices = np.split(entries["i"].astype(np.int64), np.cumsum(counts)[:-1])
+        assert maxima.tolist() == [int(i.max()) if i.size else 0 for i in indices]
+
+
+@pytest.mark.skipif(NATIVE is None, reason="not built")
 @settings(deadline=None, max_examples=300)
 @given(st.data())
 def test_the_native_layout_walk_reads_the_headers_as_the_python_one(data):
@@ -88,11 +116,11 @@ def test_the_native_layout_walk_reads_the_headers_as_the_python_one(data):
     packet += bytes(data.draw(st.sampled_from([0, 0, 0, 1, 3])))
     buf = memoryview(bytes(packet))
     n_tensors = data.draw(st.sampled_from([3, 3, 3, 2, 4]))
-    mode2_check.native = None
+    sparse_check.native = None
     try:
         want, broken = dgrd._layout(buf, pos, n_tensors, flags, ELEMENTS)
     finally:
-        mode2_check.native = NATIVE
+        sparse_check.native = NATIVE
     columns = [np.full(n_tensors, -1, np.int64) for _ in range(3)]
     ok = NATIVE.layout(buf, pos, n_tensors, flags, np.array(ELEMENTS, np.int64), *columns)
     assert ok == (broken is None)

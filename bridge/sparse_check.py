@@ -1,11 +1,12 @@
-"""DGRD Mode 2 entries of a whole packet checked at once: every value finite, every section's last index within its
-tensor. What `bridge.dgrd.decode` asks first of a packet's Mode 2 sections; only when the answer is no does it read
-the packet again section by section, to name the problem.
+"""The sparse sections of a whole packet checked at once: every value finite, every index within its tensor. What
+`bridge.dgrd.decode` asks first of a packet's sparse sections; only when the answer is no does it read the packet
+again section by section, to name the problem.
 
-Two implementations of one answer: `bridge/_dgrd_native.c` (one pass in C without the GIL, with AVX2 where the CPU
-has it, built by `pip install`) when it is built, else numpy passes over the entries gathered 256 KiB at a time.
-`tests/test_dgrd.py` runs every decode test on each (and on the C scan's scalar loop). `bridge.dgrd` walks a packet's
-section headers with the same module when it is built.
+Mode 2 has two implementations of one answer: `bridge/_dgrd_native.c` (one pass in C without the GIL, with AVX2
+where the CPU has it, built by `pip install`) when it is built, else numpy passes over the entries gathered 256 KiB
+at a time. Mode 1 is checked here only by the C module; without it `bridge.dgrd` checks it section by section with
+numpy. `tests/test_dgrd.py` runs every decode test on each (and on the C scans' scalar loops). `bridge.dgrd` walks a
+packet's section headers with the same module when it is built.
 """
 from __future__ import annotations
 
@@ -27,7 +28,16 @@ EXPONENT_MASK = np.tile(np.array([0, 0, 0x7C], np.uint8), SCRATCH_BYTES // ENTRY
 EXPONENT_MASK.setflags(write=False)
 
 
-def valid(buf: memoryview, nnz: np.ndarray, starts: np.ndarray, elements: np.ndarray, scratch: np.ndarray) -> bool:
+def mode1_valid(buf: memoryview, nnz: np.ndarray, starts: np.ndarray, elements: np.ndarray) -> bool:
+    """Whether the Mode 1 sections (int64 columns as for `mode2_valid`) are within bounds and finite, in one pass of
+    native code: 0.43 ms for GPT-2 small's 1.34M entries, where bridge.dgrd's numpy checks take 6 ms (strided views
+    of 8-byte entries). Only with `bridge._dgrd_native` built."""
+    maxima = np.empty(nnz.size, np.int64)
+    return bool(native.mode1_scan(buf, starts, nnz, maxima)) and bool((maxima < elements).all())
+
+
+def mode2_valid(buf: memoryview, nnz: np.ndarray, starts: np.ndarray, elements: np.ndarray,
+                scratch: np.ndarray) -> bool:
     """Whether the Mode 2 sections (int64 columns: entries, offset of the first in `buf`, elements of the tensor)
     are within bounds and finite: in one pass of native code when `bridge._dgrd_native` is built, else with numpy
     (`_skip_sums_numpy`)."""
