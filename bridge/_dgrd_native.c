@@ -104,14 +104,6 @@ __attribute__((target("avx2"))) static int scan_avx2(const uint8_t *body, const 
 
 static int use_avx2 = 0; /* set at import from the CPU; tests switch it (_set_avx2) to run both paths */
 
-static int scan(const uint8_t *body, const int64_t *starts, const int64_t *counts, int64_t *sums, Py_ssize_t n) {
-#ifdef HAVE_AVX2_PATH
-    if (use_avx2)
-        return scan_avx2(body, starts, counts, sums, n);
-#endif
-    return scan_scalar(body, starts, counts, sums, n);
-}
-
 /* Mode 1: entries (u32 index, f32 value), 8 bytes each; the largest index of each section into maxima. */
 static inline __attribute__((always_inline)) int scan1_body(const uint8_t *body, const int64_t *starts,
                                                             const int64_t *counts, int64_t *maxima, Py_ssize_t n) {
@@ -144,18 +136,16 @@ __attribute__((target("avx2"))) static int scan1_avx2(const uint8_t *body, const
 }
 #endif
 
-static int scan1(const uint8_t *body, const int64_t *starts, const int64_t *counts, int64_t *maxima, Py_ssize_t n) {
-#ifdef HAVE_AVX2_PATH
-    if (use_avx2)
-        return scan1_avx2(body, starts, counts, maxima, n);
-#endif
-    return scan1_scalar(body, starts, counts, maxima, n);
-}
-
 typedef int (*scan_fn)(const uint8_t *, const int64_t *, const int64_t *, int64_t *, Py_ssize_t);
 
-/* mode2_scan and mode1_scan: the arguments checked, then `fn` over the sections without the GIL. */
-static PyObject *scan_sections(PyObject *args, int64_t entry_bytes, scan_fn fn) {
+#ifdef HAVE_AVX2_PATH
+#define SCANS(name) name##_scalar, name##_avx2
+#else
+#define SCANS(name) name##_scalar, NULL
+#endif
+
+/* mode2_scan and mode1_scan: the arguments checked, then one of the loops over the sections without the GIL. */
+static PyObject *scan_sections(PyObject *args, int64_t entry_bytes, scan_fn scalar, scan_fn avx2) {
     Py_buffer body, starts, counts, out;
     if (!PyArg_ParseTuple(args, "y*y*y*w*", &body, &starts, &counts, &out))
         return NULL;
@@ -175,7 +165,7 @@ static PyObject *scan_sections(PyObject *args, int64_t entry_bytes, scan_fn fn) 
     }
     int ok;
     Py_BEGIN_ALLOW_THREADS
-    ok = fn(body.buf, st, ct, out.buf, n);
+    ok = (use_avx2 && avx2 ? avx2 : scalar)(body.buf, st, ct, out.buf, n);
     Py_END_ALLOW_THREADS
     result = PyBool_FromLong(ok);
 done:
@@ -186,9 +176,9 @@ done:
     return result;
 }
 
-static PyObject *mode2_scan(PyObject *self, PyObject *args) { return scan_sections(args, 3, scan); }
+static PyObject *mode2_scan(PyObject *self, PyObject *args) { return scan_sections(args, 3, SCANS(scan)); }
 
-static PyObject *mode1_scan(PyObject *self, PyObject *args) { return scan_sections(args, 8, scan1); }
+static PyObject *mode1_scan(PyObject *self, PyObject *args) { return scan_sections(args, 8, SCANS(scan1)); }
 
 static const int64_t SECTION_HEADER = 8; /* u32 tensor_id, u32 nnz */
 
