@@ -160,8 +160,11 @@ class BodyArena:
                 while size is None or wait > 0:
                     self._changed.wait(None if size is None else wait)
                     size, wait = self._next_to_fill()
-            mapping, start = self._map(size)
-            failed = _populate(_address(mapping) + start, size - HUGE_PAGE_BYTES)  # all a body of its size can use
+            try:
+                mapping, start = self._map(size)
+                failed = _populate(_address(mapping) + start, size - HUGE_PAGE_BYTES)  # all a body of its size uses
+            except OSError as e:  # no address space or memory left: the requests will say so themselves
+                failed = f"mapping {size} bytes: {e}"
             if failed:
                 logger.warning(f"request bodies fault their own memory from now on: {failed}")
                 with self._changed:
