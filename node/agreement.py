@@ -111,6 +111,7 @@ class Agreement:
         self.seed_digest = seed_digest  # the parameters of epoch 0 (the seeded model)
         self._records: dict[int, Record] = {}  # epoch -> what this peer published for it (the last KEEP_EPOCHS)
         self._next_recheck = 0.0
+        self._swarm_epoch = 0  # the latest epoch of the swarm this peer has seen (see `saw`)
 
     # ---- records ---------------------------------------------------------------------------------------------
 
@@ -142,6 +143,13 @@ class Agreement:
 
     # ---- downloads -----------------------------------------------------------------------------------------
 
+    def saw(self, epoch: int) -> int:
+        """Note that the swarm was at `epoch`; returns the latest epoch seen. The tracker's view of the swarm is
+        its peers' progress records, which expire: a peer whose DHT stops answering leaves none a minute later, and
+        the tracker then shows epoch 0. The swarm never goes back, so neither does this."""
+        self._swarm_epoch = max(self._swarm_epoch, epoch)
+        return self._swarm_epoch
+
     def load_state_from_peers(self, want_digest: Optional[str] = None) -> Download:
         """Download the swarm's parameters and optimizer state and check them against the records: the bytes
         the peers serve for the epoch they are labelled with, or exactly `want_digest`.
@@ -166,9 +174,10 @@ class Agreement:
             if digest == want_digest:
                 return Download.CHECKED
             if epoch == 0:  # the seeded model is the only state of epoch 0
-                if digest == self.seed_digest and opt.tracker.global_epoch == 0:
+                swarm_epoch = self.saw(opt.tracker.global_epoch)
+                if digest == self.seed_digest and swarm_epoch == 0:
                     return Download.CHECKED
-                logger.info(f"No state of the swarm's epoch {opt.tracker.global_epoch} came (no peer shared one, "
+                logger.info(f"No state of the swarm's epoch {swarm_epoch} came (no peer shared one, "
                             f"or it was not the seeded model of epoch 0); loading again")
                 continue
             deadline = time.monotonic() + self.wait_s  # the peers may still be finishing this update

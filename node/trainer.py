@@ -215,7 +215,7 @@ class TrainingNode:
         checked = restored is not None  # bytes this node may vouch for: a checkpoint, or a checked download
         if cfg.swarm.initial_peers:
             swarm.wait_for_progress(timeout_s=10.0)
-            behind = opt.tracker.global_epoch > opt.local_epoch
+            behind = self.agreement.saw(opt.tracker.global_epoch) > opt.local_epoch
             if restored is None or behind or not self._swarm_serves_my_bytes():
                 checked = self._join_download(cfg.swarm.load_state_timeout_s) is Download.CHECKED
         snap = make_snapshot(self.model, opt.local_epoch)

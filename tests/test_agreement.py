@@ -20,7 +20,7 @@ EPOCH = 1  # the update both peers have just applied
 
 
 class Peer:
-    def __init__(self, run_id: str, initial_peers=(), bonus: float = 0.8):
+    def __init__(self, run_id: str, initial_peers=(), bonus: float = 0.8, epoch: int = EPOCH):
         self.model = build_model(ModelConfig.load(TINY_CONFIG))
         seed_digest = params_digest(self.model)
         self.config = SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), initial_peers=tuple(initial_peers),
@@ -29,10 +29,10 @@ class Peer:
         self.swarm = swarm.Swarm(self.config, swarm.make_local_optimizer(self.model, TrainConfig()),
                                  local_gradients=lambda: [])
         self.opt, self.peer_id = self.swarm.optimizer, self.swarm.peer_id
-        # as after update EPOCH: the epoch, and the state-sharing priority an updater has
-        self.opt.state_averager.local_epoch = EPOCH
-        self.opt.state_averager.state_sharing_priority = EPOCH + bonus
-        self.opt.tracker.report_local_progress(EPOCH, 0)
+        # as after update `epoch`: the epoch, and the state-sharing priority an updater has
+        self.opt.state_averager.local_epoch = epoch
+        self.opt.state_averager.state_sharing_priority = epoch + bonus
+        self.opt.tracker.report_local_progress(epoch, 0)
         self.stop = threading.Event()
         self.agreement = Agreement(self.swarm.dht, self.opt, self.model, self.config, self.stop, seed_digest)
 
@@ -106,3 +106,20 @@ def test_a_failed_download_is_not_confirmed_by_the_own_record(peers):
     reference.shutdown()  # the download finds no peer and leaves `other` with its own bytes
     assert other.agreement.load_state_from_peers() is Download.UNCHECKED  # nobody else published: unconfirmed
     assert params_digest(other.model) == other_snap.digest
+
+
+def test_a_joiner_that_saw_the_swarm_ahead_never_takes_the_seeded_model_for_its_state():
+    """The tracker's view of the swarm is its peers' progress records, which expire: a swarm test's joiner, whose
+    only peer's DHT had stopped answering, saw the tracker fall from epoch 4 to 0 a minute later, took the seeded
+    model for the swarm's state, and served its own step 2 next to the peer's. A joiner that saw the swarm at a later
+    epoch keeps refusing the seeded model, whatever the tracker shows then."""
+    joiner = Peer(new_run_id(), epoch=0)  # alone in its swarm: no peer shares a state, the tracker shows epoch 0
+    try:
+        assert joiner.opt.tracker.global_epoch == 0
+        seeded = params_digest(joiner.model)
+        assert joiner.agreement.load_state_from_peers() is Download.CHECKED  # a swarm at epoch 0: the seed is it
+        assert joiner.agreement.saw(3) == 3 and joiner.agreement.saw(0) == 3  # what the join saw, never undone
+        assert joiner.agreement.load_state_from_peers() is Download.REFUSED
+        assert joiner.opt.tracker.global_epoch == 0 and params_digest(joiner.model) == seeded
+    finally:
+        joiner.shutdown()
