@@ -147,9 +147,12 @@ class NodeProcess:
         return [m.group(1) for line in self.output().splitlines() if (m := MADDR_RE.match(line))]
 
     def dump_stacks(self, settle_s: float = 1.0) -> None:
-        """Have the node write every thread's stack into its log (dtrain.cli registers SIGUSR1 with faulthandler)."""
+        """Have the node, and its Python children (hivemind's DHT and averager processes, forked after dtrain.cli
+        registered SIGUSR1 with faulthandler), write every thread's stack into its log."""
         if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGUSR1)
+            for pid in (self.proc.pid, *self.children()):
+                if _is_python(pid):  # not torch's shm manager, whom SIGUSR1 would end
+                    os.kill(pid, signal.SIGUSR1)
             time.sleep(settle_s)
 
     def digests(self) -> dict[int, str]:
@@ -216,9 +219,20 @@ def start_swarm(n: int, args: Sequence[str], run_id: str, ready_timeout_s: float
 
 
 def print_logs(nodes) -> None:
-    """The nodes' logs, shown by pytest with a failing test (CI keeps the tail of its output)."""
+    """The nodes' logs, shown by pytest with a failing test (CI keeps the tail of its output), each ending with the
+    stacks of every thread of the node and of its DHT and averager processes at that moment: what a hang was doing."""
+    for node in nodes:
+        node.dump_stacks(settle_s=0.0)
+    time.sleep(1.0)
     for node in nodes:
         print(f"===== node {node.name} =====\n{node.output()}")
+
+
+def _is_python(pid: int) -> bool:
+    try:
+        return "python" in os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+    except OSError:  # gone, or not ours to read
+        return False
 
 
 def new_run_id() -> str:
