@@ -153,7 +153,7 @@ STAGES = {  # --stages: what each small server does with a body, each adding one
     "ceiling": "request.read(), answer (the issue's ceiling)",
     "keep": "request.read(), keep the body (as the node's pool keeps every packet in this run)",
     "body": "bridge.http.read_body into a bridge.bodybuf buffer (huge pages), keep it",
-    "decode": "read_body, keep, and dgrd.decode where the node runs it (on the event loop up to INLINE_INGEST_BYTES)",
+    "decode": "read_body, keep, and dgrd.decode where the node runs it (training_routes.where_ingested)",
 }
 
 
@@ -165,9 +165,8 @@ def serve_ceiling(port: int, keep: bool = False, stage: str = "ceiling", element
     from aiohttp import web
     from bridge.bodybuf import body_buffer
     from bridge.http import read_body
-    inline_bytes = 0
     if stage == "decode":  # the ceiling imports nothing of the node's
-        from bridge.training_routes import INLINE_INGEST_BYTES as inline_bytes
+        from bridge.training_routes import where_ingested
     kept = []
 
     async def submit(request):
@@ -175,10 +174,8 @@ def serve_ceiling(port: int, keep: bool = False, stage: str = "ceiling", element
             body = await request.read()
         else:
             body = await read_body(request, 1 << 31, body_buffer)
-        if stage == "decode" and len(body) <= inline_bytes:
-            dgrd.decode(body, elements)
-        elif stage == "decode":
-            await asyncio.get_running_loop().run_in_executor(None, dgrd.decode, body, elements)
+        if stage == "decode":
+            await where_ingested(len(body), dgrd.decode, body, elements)
         if keep or stage != "ceiling":
             kept.append(body)
         return web.json_response({"ok": True, "message": "ok", "server_step": 1})
@@ -245,31 +242,11 @@ async def post_all(url: str, packets: list[bytes], concurrent: bool = False) -> 
         return [await one(p) for p in packets]
 
 
-def thread_cpu_seconds(pid: int) -> float:
-    """CPU time of every thread of `pid` to the nanosecond (/proc/PID/task/*/schedstat), where /proc/PID/stat counts
-    10 ms ticks; threads that end in between are not counted."""
-    total = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    return total / 1e9
-
-
-def settle(pid: int, window_s: float = 0.05, busy_fraction: float = 0.05, timeout_s: float = 10.0) -> float:
-    """Wait (bounded) until `pid` uses under `busy_fraction` of a core over `window_s`; CPU seconds it used from the
-    call to the start of that quiet window."""
-    start, deadline = thread_cpu_seconds(pid), time.monotonic() + timeout_s
-    before = start
-    while time.monotonic() < deadline:
-        time.sleep(window_s)
-        now = thread_cpu_seconds(pid)
-        if now - before < busy_fraction * window_s:
-            return before - start
-        before = now
-    return before - start
+def settle(pid: int) -> float:
+    """Wait (bounded) until `pid` is quiet (under 5% of a core over 50 ms, on the nanosecond clock); the CPU seconds
+    it used until then: what a server does after its answers."""
+    from tests.nodeproc import thread_cpu_seconds, wait_quiet
+    return wait_quiet(pid, window_s=0.05, busy_fraction=0.05, timeout_s=10.0, clock=thread_cpu_seconds)[1]
 
 
 def vm_kib(pid: int, field: str) -> int:

@@ -147,9 +147,16 @@ async def _send_range(request: web.Request, headers: dict, fobj, offset_bytes: i
     return response
 
 
+async def where_ingested(nbytes: int, fn, *args):
+    """`fn(*args)` for a packet of `nbytes`: on the event loop up to INLINE_INGEST_BYTES, on the executor above."""
+    if nbytes <= INLINE_INGEST_BYTES:
+        return fn(*args)
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
 def _ingest(node, body: Body, state, gate, ledger: ContributorLedger) -> int:
-    """Decode and validate the whole packet, check it at the gate, hand it to the node (on the event loop up to
-    INLINE_INGEST_BYTES, on the executor above)."""
+    """Decode and validate the whole packet, check it at the gate, hand it to the node (where `where_ingested`
+    runs it)."""
     try:
         packet = dgrd.decode(body, state.tensor_elements)  # reductions over the body: nothing per entry allocated
     except dgrd.PacketError as e:
@@ -177,11 +184,7 @@ async def submit(request: web.Request) -> web.Response:
     gate.authorize(request.headers)  # 401 before the body is read: nothing applied
     gate.check_address(request.remote)
     body = await read_body(request, state.max_packet_bytes, body_buffer)  # huge pages: no fault per 4 KiB
-    if len(body) <= INLINE_INGEST_BYTES:
-        step = _ingest(node, body, state, gate, request.app[LEDGER])
-    else:
-        loop = asyncio.get_running_loop()
-        step = await loop.run_in_executor(None, _ingest, node, body, state, gate, request.app[LEDGER])
+    step = await where_ingested(len(body), _ingest, node, body, state, gate, request.app[LEDGER])
     return web.json_response({"ok": True, "message": "ok", "server_step": step})
 
 

@@ -14,7 +14,7 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_CONFIG = REPO / "configs" / "tiny.json"
@@ -264,13 +264,35 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu_seconds(pid: int) -> float:
+    """CPU time of every thread of `pid` to the nanosecond (/proc/PID/task/*/schedstat), where /proc/PID/stat counts
+    10 ms ticks; threads that end in between are not counted."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return total / 1e9
+
+
+def wait_quiet(pid: int, window_s: float, busy_fraction: float, timeout_s: float,
+               clock: Callable[[int], float] = cpu_seconds) -> tuple[float, float]:
+    """Wait (bounded) until process `pid` uses under `busy_fraction` of a core over `window_s`. Returns (seconds
+    waited, CPU seconds `pid` used before that quiet window)."""
+    start, begun = time.monotonic(), clock(pid)
+    before = begun
+    while time.monotonic() - start < timeout_s:
+        time.sleep(window_s)
+        now = clock(pid)
+        if now - before < busy_fraction * window_s:
+            break
+        before = now
+    return time.monotonic() - start, before - begun
+
+
 def wait_cpu_idle(pid: int, timeout_s: float = 60.0, busy_fraction: float = 0.05, window_s: float = 1.0) -> float:
     """Wait (bounded) until process `pid` uses under `busy_fraction` of a core over `window_s`: a node that printed
     it is ready still loads its serving weights for a while, which a benchmark must not time. Returns seconds."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        before = cpu_seconds(pid)
-        time.sleep(window_s)
-        if cpu_seconds(pid) - before < busy_fraction * window_s:
-            break
-    return time.monotonic() - start
+    return wait_quiet(pid, window_s, busy_fraction, timeout_s)[0]
