@@ -212,6 +212,9 @@ def start_swarm(n: int, args: Sequence[str], run_id: str, ready_timeout_s: float
         for node in nodes[1:]:
             node.wait_ready(ready_timeout_s)
     except BaseException:  # the caller gets no nodes to stop: none may outlive it
+        for node in nodes:  # the stacks of every node, not only of the one that failed: the hang may be another's
+            node.dump_stacks(settle_s=0.0)
+        time.sleep(1.0)
         for node in nodes:
             node.kill()
         raise
