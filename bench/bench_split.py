@@ -29,13 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aiohttp import web  # noqa: E402
 
-from bridge import http, split_routes  # noqa: E402
-from clients.split_client import SplitClient  # noqa: E402
-from node.config import DEFAULT_STATIC_DIR, ModelConfig  # noqa: E402
-from node.model import build_model  # noqa: E402
-from node.split.config import SplitConfig  # noqa: E402
-from node.split.experts import LoraExpert  # noqa: E402
-from node.split.service import from_pretrained  # noqa: E402
+from dtrain.bridge import http, split_routes  # noqa: E402
+from dtrain.clients.split_client import SplitClient  # noqa: E402
+from dtrain.node.config import DEFAULT_STATIC_DIR, ModelConfig  # noqa: E402
+from dtrain.node.model import build_model  # noqa: E402
+from dtrain.node.split.config import SplitConfig  # noqa: E402
+from dtrain.node.split.experts import LoraExpert  # noqa: E402
+from dtrain.node.split.service import from_pretrained  # noqa: E402
 
 
 class Server:

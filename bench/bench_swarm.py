@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from dtrain.node.corpus import default_text  # noqa: E402
 from tests.nodeproc import REPO, TINY_CONFIG, NodeProcess, new_run_id, start_swarm, wait_until  # noqa: E402
 from tests.swarmcheck import ByteWatch, Contributions, all_applied  # noqa: E402
 
@@ -116,7 +117,7 @@ def main() -> None:
         train_config = Path(tmp) / "train.json"
         train_config.write_text(json.dumps({"learning_rate": 0.01, "weight_decay": 0.0, "min_nodes_for_update": 1}))
         text = Path(tmp) / "text.txt"
-        text.write_text((REPO.parent / "shared" / "data" / "tinyshakespeare.txt").read_text()[:30_000])
+        text.write_text(default_text(10_000)[:30_000])
         print("| nodes | accepted packets | applied | carried | updates | s per update | longest split s |")
         print("|---:|---:|---:|---:|---:|---:|---:|")
         for n in (1, 2, 3):

@@ -14,9 +14,9 @@ from typing import Optional, Sequence
 from aiohttp import web
 from hivemind.utils.logging import get_logger, use_hivemind_log_handler
 
-from bridge.app import create_app
+from dtrain.bridge.app import create_app
 from dtrain.flags import parse_config
-from node.config import ConfigError, ModelConfig, NodeConfig, TrainConfig
+from dtrain.node.config import ConfigError, ModelConfig, NodeConfig, TrainConfig
 
 logger = get_logger(__name__)
 
@@ -31,25 +31,25 @@ def _print_join_hint(maddrs: Sequence[str]) -> None:
 
 
 async def _serve(config: NodeConfig) -> None:
-    from node.assets import ensure_tokenizer_files
-    from node.corpus import load_corpus
-    from node.serve.service import for_node as serve_for_node
-    from node.data import TokenDataset
-    from node.split.service import for_node
-    from node.tokenizer import load_tokenizer
-    from node.trainer import TrainingNode
+    from dtrain.node.assets import tokenizer_files
+    from dtrain.node.corpus import load_corpus
+    from dtrain.node.serve.service import for_node as serve_for_node
+    from dtrain.node.data import TokenDataset
+    from dtrain.node.split.service import for_node
+    from dtrain.node.tokenizer import load_tokenizer
+    from dtrain.node.train.trainer import TrainingNode
 
     model_config = ModelConfig.load(config.model_config_path())
     adapter = config.serve.feedback_lora
     if adapter is not None and adapter in (model_config.name, *(name for name, _ in config.split.experts)):
         raise ConfigError(f"--feedback-lora {adapter!r}: the shared model or a hosted --expert has that name already")
     train_config = TrainConfig.load(config.train_config_path())
-    ensure_tokenizer_files(config.static_dir)
-    tokenizer = load_tokenizer(config.static_dir)
+    tokens = tokenizer_files(config.static_dir)
+    tokenizer = load_tokenizer(tokens)
     dataset = TokenDataset.from_text_file(config.train_data, tokenizer) if config.train_data else None
     # contributors get batches of the node's own text, else of the corpus set-up built: never trained on here, so
     # a node alone still makes one update per min_nodes_for_update contributors
-    served = (dataset if dataset is not None else load_corpus(config.static_dir)) if config.serve_data else None
+    served = (dataset if dataset is not None else load_corpus()) if config.serve_data else None
 
     node = TrainingNode(config, model_config, train_config, dataset)
     logger.info(f"Model {model_config.name}: {node.total_params:,} parameters; joining the swarm")
@@ -63,7 +63,8 @@ async def _serve(config: NodeConfig) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    app = create_app(node, config, split=split, tokenizer=tokenizer, dataset=served, serve=serve)
+    app = create_app(node, config, split=split, tokenizer=tokenizer, dataset=served, serve=serve,
+                     tokenizer_files=tokens)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()

@@ -11,10 +11,10 @@ import json
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from node.config import ConfigError, NodeConfig, SwarmConfig
-from node.options import flag_fields
-from node.serve.config import ServeConfig
-from node.split.config import SplitConfig, parse_expert_flag
+from dtrain.node.config import ConfigError, NodeConfig, SwarmConfig
+from dtrain.node.options import flag_fields
+from dtrain.node.serve.config import ServeConfig
+from dtrain.node.split.config import SplitConfig, parse_expert_flag
 
 # (argument group, dataclass, NodeConfig field holding it or None for NodeConfig itself)
 SECTIONS = (("swarm", SwarmConfig, "swarm"), ("node", NodeConfig, None), ("split inference", SplitConfig, "split"),

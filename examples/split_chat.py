@@ -12,9 +12,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from clients.split_client import SplitClient  # noqa: E402
-from node.tokenizer import load_tokenizer  # noqa: E402
-from node.config import DEFAULT_STATIC_DIR  # noqa: E402
+from dtrain.clients.split_client import SplitClient  # noqa: E402
+from dtrain.node.tokenizer import load_tokenizer  # noqa: E402
+from dtrain.node.config import DEFAULT_STATIC_DIR  # noqa: E402
 
 
 def main() -> None:

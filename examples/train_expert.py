@@ -14,10 +14,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from node.config import DEFAULT_STATIC_DIR, ModelConfig  # noqa: E402
-from node.model import build_model  # noqa: E402
-from node.split.experts import LoraExpert, train_expert  # noqa: E402
-from node.tokenizer import load_tokenizer  # noqa: E402
+from dtrain.node.config import DEFAULT_STATIC_DIR, ModelConfig  # noqa: E402
+from dtrain.node.model import build_model  # noqa: E402
+from dtrain.node.split.experts import LoraExpert, train_expert  # noqa: E402
+from dtrain.node.tokenizer import load_tokenizer  # noqa: E402
 
 
 def main() -> None:
@@ -39,7 +39,7 @@ def main() -> None:
 
     model = build_model(ModelConfig.load(args.model_config))
     if args.checkpoint_dir:
-        from node import checkpoint
+        from dtrain.node import checkpoint
 
         restored = checkpoint.load(args.checkpoint_dir)
         if restored is None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bridge import dgrd
+from dtrain.bridge import dgrd
 from tests.nodeproc import NodeProcess
 from tests.test_bridge_semantics import submit
 

@@ -8,12 +8,12 @@ import threading
 import pytest
 import torch
 
-from node import swarm
-from node.agreement import Agreement, Download
-from node.config import ModelConfig, SwarmConfig, TrainConfig
-from node.model import build_model
-from node.snapshot import make_snapshot, params_digest
-from node.swarm import RoundOutcome
+from dtrain.node.swarm import optimizer as swarm
+from dtrain.node.swarm.agreement import Agreement, Download
+from dtrain.node.config import ModelConfig, SwarmConfig, TrainConfig
+from dtrain.node.model import build_model
+from dtrain.node.snapshot import make_snapshot, params_digest
+from dtrain.node.swarm.optimizer import RoundOutcome
 from tests.nodeproc import TINY_CONFIG, new_run_id
 
 EPOCH = 1  # the update both peers have just applied

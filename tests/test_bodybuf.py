@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bridge import dgrd
-from bridge.bodybuf import HUGE_PAGE_BYTES, MIN_HUGE_BODY_BYTES, BodyArena, body_buffer, mapping_bytes
+from dtrain.bridge import dgrd
+from dtrain.bridge.bodybuf import HUGE_PAGE_BYTES, MIN_HUGE_BODY_BYTES, BodyArena, body_buffer, mapping_bytes
 from tests.nodeproc import wait_until
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")

@@ -1,5 +1,5 @@
 """GET /api/v1/data/batch over real HTTP: token windows of the node's own dataset for contributors without data,
-or of the default corpus set-up built, which the node hands out but never trains on (the node started with
+or of the default corpus the package ships, which the node hands out but never trains on (the node started with
 --no-data answers 404, in test_bridge_http.py)."""
 from __future__ import annotations
 
@@ -8,22 +8,22 @@ import json
 import numpy as np
 import pytest
 
-from node import corpus
-from node.data import TokenDataset
-from node.tokenizer import load_tokenizer
-from tests.nodeproc import REPO, TINY_CONFIG
+from dtrain.node import corpus
+from dtrain.node.data import TokenDataset
+from dtrain.node.tokenizer import load_tokenizer
+from tests.texts import shakespeare
+from tests.nodeproc import TINY_CONFIG
 from tests.test_bridge_http import (_start, assert_error, assert_plain_response, current_step, request, small_packet,
                                     submit, wait_step)
 
 pytestmark = pytest.mark.timeout(240)
 
-TRAIN_TEXT = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "train.txt"
-    path.write_text(TRAIN_TEXT.read_text()[:20_000])
+    path.write_text(shakespeare(20_000))
     return path
 
 
@@ -38,7 +38,7 @@ def data_node(data_file):
 
 
 def test_data_batch(data_node, data_file):
-    stream = TokenDataset.from_text_file(data_file, load_tokenizer(REPO / "static")).tokens  # as the node has it
+    stream = TokenDataset.from_text_file(data_file, load_tokenizer()).tokens  # as the node has it
     for query, (bs, seq_len) in (("", (8, 64)), ("?batch_size=3&seq_len=16", (3, 16)),
                                  ("?batch_size=1&seq_len=2", (1, 2))):
         a = request(data_node, "GET", "/api/v1/data/batch" + query)
@@ -73,8 +73,6 @@ def _assert_windows_of(body: bytes, bs: int, seq_len: int, stream: np.ndarray) -
 @pytest.fixture(scope="module")
 def corpus_node(tmp_path_factory):
     """Started as `make node` starts it (no data flag), with 2 contributors per update."""
-    if not (REPO / "static" / corpus.TOKENS_NAME).is_file():
-        pytest.fail("static/corpus.u32 is missing: run `make setup`")
     train = tmp_path_factory.mktemp("corpus") / "train.json"
     train.write_text(json.dumps({"min_nodes_for_update": 2}))
     proc = _start("corpus", ["--model-config", str(TINY_CONFIG), "--target-batch-size", "1",
@@ -86,7 +84,7 @@ def corpus_node(tmp_path_factory):
 
 
 def test_default_corpus_is_handed_out_but_not_trained_on(corpus_node):
-    stream = np.fromfile(REPO / "static" / corpus.TOKENS_NAME, dtype="<u4")
+    stream = corpus.default_tokens()
     for _ in range(3):
         a = request(corpus_node, "GET", "/api/v1/data/batch?batch_size=4&seq_len=32")
         assert a.status == 200

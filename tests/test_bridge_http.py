@@ -14,11 +14,12 @@ import time
 import numpy as np
 import pytest
 
-from bridge import dgrd
-from bridge.training_routes import INLINE_INGEST_BYTES
-from node.config import ModelConfig
-from node.model import build_model
-from tests.nodeproc import REPO, TINY_CONFIG, NodeProcess, new_run_id, wait_until
+from dtrain.bridge import dgrd
+from dtrain.bridge.training_routes import INLINE_INGEST_BYTES
+from dtrain.node.assets import gpt2_tokenizer_files
+from dtrain.node.config import ModelConfig
+from dtrain.node.model import build_model
+from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -481,7 +482,7 @@ def test_static_configs_are_the_loaded_ones(node):
 def test_static_vocab(node):
     a = request(node, "GET", "/static/vocab.json")
     assert a.status == 200
-    assert a.body == (REPO / "static" / "vocab.json").read_bytes()
+    assert a.body == gpt2_tokenizer_files().vocab.read_bytes()
     assert len(a.json()) == 50257
 
 

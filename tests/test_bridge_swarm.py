@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bridge import dgrd
+from dtrain.bridge import dgrd
 from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, print_logs, wait_until
 from tests.test_bridge_semantics import download_f32, submit
 

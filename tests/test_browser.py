@@ -13,15 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-from bridge import dgrd
-from clients.split_client import SplitClient
-from node.config import ModelConfig
-from node.model import build_model
-from node.tokenizer import load_tokenizer
+from dtrain.bridge import dgrd
+from dtrain.clients.split_client import SplitClient
+from dtrain.node.config import ModelConfig
+from dtrain.node.model import build_model
+from dtrain.node.tokenizer import load_tokenizer
 from tests import browser
-from tests.nodeproc import REPO, TINY_CONFIG, NodeProcess, new_run_id, wait_until
+from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, wait_until
 from tests.test_dgrd_js import CASES
-from tests.test_tokenizer_js import SHAKESPEARE, STRESS_TEXT
+from tests.test_tokenizer_js import STRESS_TEXT
+from tests.texts import shakespeare
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
 
@@ -75,7 +76,7 @@ def _f16_model(node: NodeProcess) -> tuple[torch.nn.Module, list[dict]]:
 
 
 def _shakespeare_batch(batch: int, seq_len: int) -> np.ndarray:
-    ids = load_tokenizer(REPO / "static").encode(SHAKESPEARE.read_text()[:20_000]).ids
+    ids = load_tokenizer().encode(shakespeare(20_000)).ids
     starts = np.random.default_rng(0).integers(0, len(ids) - seq_len, batch)
     return np.stack([ids[s:s + seq_len] for s in starts]).astype(np.int32)
 
@@ -221,7 +222,7 @@ def test_trainer_refetches_the_model_on_409(page, tiny_node):
 @pytest.fixture
 def training_node(tmp_path):
     text = tmp_path / "train.txt"
-    text.write_text(SHAKESPEARE.read_text()[:50_000])
+    text.write_text(shakespeare(50_000))
     # it hands out batches of its text; one sample of its own per update, and updates need many samples: idle
     proc = NodeProcess("contribute", ["--model-config", str(TINY_CONFIG), "--train-data", str(text),
                                       "--local-samples-per-update", "1", "--local-batch-size", "1",
@@ -239,7 +240,7 @@ def test_contribute_page_trains_the_node(page, tiny_node):
     # tiny_node has no dataset: the page says so, and the contributor gives its own text
     page.click("#start")
     wait_until(lambda: "paste some text" in page.inner_text("#message"), 60, "the page to ask for text")
-    page.fill("#text", SHAKESPEARE.read_text()[:4000])
+    page.fill("#text", shakespeare(4000))
     step0 = tiny_node.get_json("/api/v1/model/info")["step"]
     losses0 = len(tiny_node.get_json("/api/v1/server/losses"))
     page.click("#start")
@@ -294,7 +295,7 @@ def test_contribute_page_uses_node_batches_and_reports_a_lost_node(page, trainin
 def test_chat_page_greedy_equals_python_client(page, tiny_node):
     prompt, n = "The quick brown fox", 12
     eos = 50256
-    ids = load_tokenizer(REPO / "static").encode(prompt).ids
+    ids = load_tokenizer().encode(prompt).ids
 
     def reference():  # on its own thread: Playwright's sync API holds this thread's event loop
         with SplitClient(tiny_node.url, transport="http", weights_format="f16") as client:
@@ -310,7 +311,7 @@ def test_chat_page_greedy_equals_python_client(page, tiny_node):
     page.click("#go")
     page.wait_for_function("document.querySelector('#status').textContent.includes('tok/s')", timeout=60_000)
     assert json.loads(page.get_attribute("#out", "data-ids")) == want
-    assert page.inner_text("#out") == prompt + load_tokenizer(REPO / "static").decode(want)
+    assert page.inner_text("#out") == prompt + load_tokenizer().decode(want)
     timings = page.inner_text("#timings")
     assert re.search(r"total \d+\.\d ms · HE off · DP sigma 0 · cached_seq_len \d+", timings), timings
 
@@ -318,8 +319,8 @@ def test_chat_page_greedy_equals_python_client(page, tiny_node):
 @pytest.mark.timeout(180)
 def test_tokenizer_and_dgrd_parity_in_chromium(page, tiny_node):
     page.goto(tiny_node.url + "/chat")
-    tokenizer = load_tokenizer(REPO / "static")
-    texts = [SHAKESPEARE.read_text(), STRESS_TEXT]
+    tokenizer = load_tokenizer()
+    texts = [shakespeare(1_115_394), STRESS_TEXT]
     got = page.evaluate("""async (texts) => {
         const { GPT2Tokenizer } = await import("/static/tokenizer.js");
         const tok = await GPT2Tokenizer.fromUrl("");

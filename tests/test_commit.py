@@ -18,7 +18,7 @@ import torch
 from hivemind.averaging.control import AveragingStage
 from hivemind.optim.grad_averager import GradientAverager
 
-from node.commit import AbortedRound, CommittingGradientAverager
+from dtrain.node.swarm.commit import AbortedRound, CommittingGradientAverager
 from tests.nodeproc import new_run_id
 
 MEMBERS = 3

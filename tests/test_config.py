@@ -5,20 +5,20 @@ import json
 import pytest
 
 from dtrain.flags import parse_config
-from node.config import ConfigError, ModelConfig, SwarmConfig, TrainConfig
-from node.model import build_model, embedding_tensor_id, tensor_infos
+from dtrain.node.config import ConfigError, ModelConfig, SwarmConfig, TrainConfig
+from dtrain.node.model import build_model, embedding_tensor_id, tensor_infos
 from tests.nodeproc import REPO, TINY_CONFIG
 
 
 def test_static_configs_load():
-    model = ModelConfig.load(REPO / "static" / "model_config.json")
-    train = TrainConfig.load(REPO / "static" / "train_config.json")
+    model = ModelConfig.load(REPO / "dtrain" / "static" / "model_config.json")
+    train = TrainConfig.load(REPO / "dtrain" / "static" / "train_config.json")
     assert model.vocab_size == 50257 and model.d_model % model.n_heads == 0
     assert set(dataclasses.asdict(train)) == {"learning_rate", "beta1", "beta2", "eps", "weight_decay", "min_nodes_for_update"}
 
 
 def test_default_model_is_browser_sized():
-    model = build_model(ModelConfig.load(REPO / "static" / "model_config.json"))
+    model = build_model(ModelConfig.load(REPO / "dtrain" / "static" / "model_config.json"))
     assert sum(p.numel() for p in model.parameters()) <= 20_000_000
 
 

@@ -14,13 +14,13 @@ import time
 import numpy as np
 import pytest
 
-from bridge import dgrd
-from clients.contribute import ContributeConfig, Contributor, main
+from dtrain.bridge import dgrd
+from dtrain.clients.contribute import ContributeConfig, Contributor, main
+from tests.texts import shakespeare
 from tests.nodeproc import REPO, TINY_CONFIG, NodeProcess, new_run_id, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
-TRAIN_TEXT = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 MODES = ("sparse", "compressed", "dense")
 STEPS = 3
 BATCH = 2
@@ -31,7 +31,7 @@ def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("contribute")
     (d / "train.json").write_text(json.dumps({"learning_rate": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
                                               "weight_decay": 0.01, "min_nodes_for_update": 1}))
-    (d / "train.txt").write_text(TRAIN_TEXT.read_text()[:20_000])
+    (d / "train.txt").write_text(shakespeare(20_000))
     return d
 
 
@@ -121,7 +121,7 @@ def test_packet_and_error_feedback(mode, flags):
 
 def test_cli(node, files):
     before = _info(node)["step"]
-    out = subprocess.run([sys.executable, "-m", "clients.contribute", "--node", node.url, "--data",
+    out = subprocess.run([sys.executable, "-m", "dtrain.clients.contribute", "--node", node.url, "--data",
                           str(files / "train.txt"), "--mode", "compressed", "--steps", "2", "--batch-size", "1",
                           "--seq-len", "8", "--wait-update", "20"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -1,16 +1,15 @@
-"""The default corpus: Project Gutenberg's licence text stripped, and the files set-up built match their pins."""
+"""The default corpus: Project Gutenberg's licence text stripped, and the packaged tokens match their pins."""
 from __future__ import annotations
 
 import hashlib
+import lzma
 
 import numpy as np
 import pytest
 
-from node import corpus
-from node.tokenizer import load_tokenizer
-from tests.nodeproc import REPO
+from dtrain.node import corpus
+from dtrain.node.tokenizer import load_tokenizer
 
-STATIC = REPO / "static"
 PLAY = "ACT I.\n\nScene I. A heath.\n\nFirst Witch.\nWhen shall we three meet again?\n"
 
 
@@ -32,35 +31,28 @@ def test_strip_gutenberg_refuses_leftover_licence_text():
         corpus.strip_gutenberg(PLAY[:6] + "\nThis is a Project Gutenberg etext\n", "play.txt")
 
 
-@pytest.fixture(scope="module")
-def built():
-    if not (STATIC / corpus.TOKENS_NAME).is_file():
-        pytest.fail("static/corpus.u32 is missing: run `make setup`")
-    return (STATIC / corpus.TEXT_NAME).read_bytes(), np.fromfile(STATIC / corpus.TOKENS_NAME, dtype="<u4")
-
-
-def test_built_corpus_is_the_pinned_text(built):
-    text, tokens = built
-    assert hashlib.sha256(text).hexdigest() == corpus.TEXT_SHA256
+def test_packaged_tokens_are_the_pinned_text():
+    text = corpus.default_text().encode("utf-8")
+    assert hashlib.sha256(text).hexdigest() == corpus.TEXT_SHA256  # GPT-2's BPE is lossless: the tokens are the text
     assert text.startswith(b"ALL'S WELL THAT ENDS WELL\n") and b"gutenberg" not in text.lower()
-    assert len(text) > 5_000_000 and len(tokens) > 1_500_000
+    tokens = corpus.default_tokens()
+    assert len(text) > 5_000_000 and len(tokens) > 1_500_000 and tokens.dtype == np.uint32
+    assert int(tokens.max()) < corpus.VOCAB_SIZE
 
 
-def test_token_file_is_the_text_tokenized(built):
-    text, tokens = built
+def test_token_file_is_the_text_tokenized():
+    tokens = corpus.default_tokens()
     # the whole text takes seconds to tokenize: its first 20,000 characters, less a few tokens at the cut
-    head = load_tokenizer(STATIC).encode(text[:20_000].decode()).ids
+    head = load_tokenizer().encode(corpus.default_text()[:20_000]).ids
     assert tokens[:len(head) - 5].tolist() == head[:-5]
-    dataset = corpus.load_corpus(STATIC)
-    assert len(dataset) == len(tokens) and dataset.source.endswith("corpus.txt")
+    dataset = corpus.load_corpus()
+    assert len(dataset) == len(tokens) and dataset.source == corpus.SOURCE
     assert dataset.batch(2, 8, np.random.default_rng(0)).shape == (2, 8)
 
 
-def test_load_corpus_without_set_up_or_with_a_damaged_file(tmp_path):
-    assert corpus.load_corpus(tmp_path) is None
-    (tmp_path / corpus.TOKENS_NAME).write_bytes(b"\x01\x02\x03")
-    with pytest.raises(corpus.CorpusError, match="whole number"):
-        corpus.load_corpus(tmp_path)
-    (tmp_path / corpus.TOKENS_NAME).write_bytes(np.array([5, 60000], "<u4").tobytes())
-    with pytest.raises(corpus.CorpusError, match="60000"):
-        corpus.load_corpus(tmp_path)
+def test_damaged_token_files_are_refused():
+    with pytest.raises(corpus.CorpusError, match="not an xz file"):
+        corpus.decode_tokens(b"\x01\x02\x03", "broken.xz")
+    other = lzma.compress(np.array([5, 6000], "<u2").tobytes())
+    with pytest.raises(corpus.CorpusError, match="is not the pinned"):
+        corpus.decode_tokens(other, "other.xz")

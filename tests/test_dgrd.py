@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from bridge import dgrd, sparse_check
-from bridge.dgrd import PacketError
+from dtrain.bridge import dgrd, sparse_check
+from dtrain.bridge.dgrd import PacketError
 
 ELEMENTS = [4096, 10, 1000, 3]
 NATIVE = sparse_check.native  # bridge._dgrd_native, built by the install

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bridge import dgrd
+from dtrain.bridge import dgrd
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "js" / "dgrd_parity.mjs"
@@ -141,7 +141,7 @@ def test_f16_conversion_matches_numpy(tmp_path):
     (tmp_path / "in.bin").write_bytes(bits.astype("<u4").tobytes())
     code = (
         "import {readFileSync, writeFileSync} from 'node:fs';"
-        f"import {{f32ToF16Bits}} from {json.dumps((REPO / 'static' / 'dgrd.js').as_uri())};"
+        f"import {{f32ToF16Bits}} from {json.dumps((REPO / 'dtrain' / 'static' / 'dgrd.js').as_uri())};"
         "const b = readFileSync(process.argv[1]);"
         "const f = new Float32Array(b.buffer, b.byteOffset, b.length / 4);"
         "const o = new Int32Array(f.length);"
@@ -158,7 +158,7 @@ def test_f16_conversion_matches_numpy(tmp_path):
 
 def test_error_feedback(tmp_path):
     code = (
-        f"import {{ErrorFeedback, f16Round}} from {json.dumps((REPO / 'static' / 'dgrd.js').as_uri())};"
+        f"import {{ErrorFeedback, f16Round}} from {json.dumps((REPO / 'dtrain' / 'static' / 'dgrd.js').as_uri())};"
         "const ef = new ErrorFeedback(0.5, 1);"
         "const g = [Float32Array.from([1, -3, 0.5, 2]), Float32Array.from([0.1])];"
         "const s1 = ef.step(g);"
@@ -212,7 +212,7 @@ def test_topk_exact_on_ties_zeros_and_non_finite(tmp_path):
     fractions = [0.0001, 0.01, 0.03, 0.5, 0.999]
     code = (
         "import {readFileSync} from 'node:fs';"
-        f"import {{topK}} from {json.dumps((REPO / 'static' / 'dgrd.js').as_uri())};"
+        f"import {{topK}} from {json.dumps((REPO / 'dtrain' / 'static' / 'dgrd.js').as_uri())};"
         f"const out = []; for (let i = 0; i < {len(names)}; i++) {{"
         " const b = readFileSync(process.argv[1] + '/' + i + '.bin');"
         " const g = new Float32Array(b.buffer.slice(b.byteOffset, b.byteOffset + b.length));"
@@ -236,7 +236,7 @@ def test_error_feedback_equals_topk_of_the_sums(tmp_path):
     """ErrorFeedback's fused add-and-count pass sends what topK(residual + grad) sends and keeps the same residual,
     to the bit, over steps in both modes, with ties and a tensor small enough to go dense."""
     code = (
-        f"import {{ErrorFeedback, topK, f16Round}} from {json.dumps((REPO / 'static' / 'dgrd.js').as_uri())};"
+        f"import {{ErrorFeedback, topK, f16Round}} from {json.dumps((REPO / 'dtrain' / 'static' / 'dgrd.js').as_uri())};"
         "let seed = 7; const rnd = () => (seed = (seed * 1103515245 + 12345) % 2147483648) / 2147483648 - 0.5;"
         "const shapes = [5000, 300, 64, 1]; const bad = [];"
         "for (const flags of [0, 1]) {"

@@ -12,10 +12,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from bridge import dgrd
-from bridge.gate import Gate, GateConfig, GateConfigError, GateError, TokenBuckets, load_tokens
-from bridge.http import ApiError, install, read_body
-from node.ledger import ContributorLedger
+from dtrain.bridge import dgrd
+from dtrain.bridge.gate import Gate, GateConfig, GateConfigError, GateError, TokenBuckets, load_tokens
+from dtrain.bridge.http import ApiError, install, read_body
+from dtrain.node.train.ledger import ContributorLedger
 
 ELEMENTS = [16, 4]
 APPLIED = web.AppKey("applied", list)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from node.contribution import Contribution, Section
-from node.gradient import PendingGradient
+from dtrain.node.contribution import Contribution, Section
+from dtrain.node.train.gradient import PendingGradient
 
 ELEMENTS = (6, 4)
 

@@ -5,9 +5,9 @@ import threading
 import numpy as np
 import pytest
 
-from node import robust
-from node.contribution import Contribution, Section
-from node.ledger import ContributorLedger, RejectReason
+from dtrain.node.train import robust
+from dtrain.node.contribution import Contribution, Section
+from dtrain.node.train.ledger import ContributorLedger, RejectReason
 
 
 class Clock:

@@ -17,15 +17,14 @@ import openai
 import pytest
 from aiohttp import web
 
-from bridge.app import create_app
-from node.assets import ensure_tokenizer_files
-from node.config import DEFAULT_STATIC_DIR, ModelConfig, NodeConfig, SwarmConfig, TrainConfig
-from node.contribution import Contribution, Section
-from node.serve.config import ServeConfig
-from node.serve.service import for_node
-from node.split.experts import ExpertRegistry, LoraExpert
-from node.tokenizer import load_tokenizer
-from node.trainer import TrainingNode
+from dtrain.bridge.app import create_app
+from dtrain.node.config import DEFAULT_STATIC_DIR, ModelConfig, NodeConfig, SwarmConfig, TrainConfig
+from dtrain.node.contribution import Contribution, Section
+from dtrain.node.serve.config import ServeConfig
+from dtrain.node.serve.service import for_node
+from dtrain.node.split.experts import ExpertRegistry, LoraExpert
+from dtrain.node.tokenizer import load_tokenizer
+from dtrain.node.train.trainer import TrainingNode
 from tests.nodeproc import TINY_CONFIG, new_run_id, wait_until
 
 pytestmark = pytest.mark.timeout(180)
@@ -68,7 +67,6 @@ def served(tmp_path_factory):
                         serve=serve_config)
     node = TrainingNode(config, ModelConfig.load(TINY_CONFIG), TrainConfig())
     node.start()
-    ensure_tokenizer_files(DEFAULT_STATIC_DIR)
     tokenizer = load_tokenizer(DEFAULT_STATIC_DIR)
     rng = np.random.default_rng(3)
     d = node.model_config.d_model

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from bridge import dgrd, openapi
+from dtrain.bridge import dgrd, openapi
 from tests.nodeproc import REPO, TINY_CONFIG, wait_until
 from tests.test_bridge_http import Answer, _start, current_step, small_packet
 from tests.test_bridge_metrics import scrape
@@ -45,7 +45,7 @@ def nodes(tmp_path_factory):
                                n_layer=1, n_head=TINY["n_heads"], tie_word_embeddings=False)).save_pretrained(split_dir)
     capture = tmp_path_factory.mktemp("openapi-capture") / "capture.sqlite"
     # two contributors per update: a packet of one node_id waits in the 1 MiB pool, so its next one is the 503
-    train = json.loads((REPO / "static" / "train_config.json").read_text())
+    train = json.loads((REPO / "dtrain" / "static" / "train_config.json").read_text())
     (tmp / "train.json").write_text(json.dumps({**train, "min_nodes_for_update": 2}))
     started = {}
     try:

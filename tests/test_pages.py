@@ -170,8 +170,8 @@ def test_chat_streams_tokens_and_shows_the_split_session(page, site_node):
     assert page.inner_text("#tok-count") == str(len(ids))
 
     # the session's numbers are the node's: its DP sigma, and the KV cache it held before the last token was sent
-    from node.tokenizer import load_tokenizer
-    prompt_len = len(load_tokenizer(REPO / "static").encode(prompt).ids)
+    from dtrain.node.tokenizer import load_tokenizer
+    prompt_len = len(load_tokenizer().encode(prompt).ids)
     assert page.inner_text("#transport") == "WebSocket"
     assert page.inner_text("#dp-sigma") == f"{config['dp']['sigma']:.4f}"
     assert int(page.inner_text("#kv-len")) == prompt_len + len(ids) - 2

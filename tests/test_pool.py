@@ -7,8 +7,8 @@ import threading
 import numpy as np
 import pytest
 
-from node.contribution import Contribution, Section
-from node.pool import LATE_WINDOW_STEPS, ContributionPool, StepMismatch
+from dtrain.node.contribution import Contribution, Section
+from dtrain.node.train.pool import LATE_WINDOW_STEPS, ContributionPool, StepMismatch
 
 
 def _contribution(contributor: str, step: int = 10, samples: int = 2, value: float = 1.0) -> Contribution:

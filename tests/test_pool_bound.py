@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from bridge import dgrd
-from node.contribution import Contribution, Section
-from node.pool import ContributionPool, PoolFull
+from dtrain.bridge import dgrd
+from dtrain.node.contribution import Contribution, Section
+from dtrain.node.train.pool import ContributionPool, PoolFull
 from tests.nodeproc import REPO, TINY_CONFIG
 from tests.test_bridge_http import _start, current_step, request, submit, wait_step
 
@@ -54,7 +54,7 @@ def test_a_group_that_holds_every_byte_still_completes():
 def bounded_node(tmp_path_factory):
     train = tmp_path_factory.mktemp("bound") / "train.json"
     # two contributors per update: one node_id's packets wait in the pool until a second one submits
-    defaults = json.loads((REPO / "static" / "train_config.json").read_text())
+    defaults = json.loads((REPO / "dtrain" / "static" / "train_config.json").read_text())
     train.write_text(json.dumps({**defaults, "min_nodes_for_update": 2}))
     node = _start("bound", ["--model-config", str(TINY_CONFIG), "--train-config", str(train),
                             "--target-batch-size", "1", "--max-pending-mib", "1", "--rate-limit", "0"])

@@ -5,7 +5,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from clients.relay import RelayConfig, _host_port, start
+from dtrain.clients.relay import RelayConfig, _host_port, start
 
 PAYLOAD = os.urandom(3 * 1024 * 1024 + 17)  # larger than the relay's read buffer many times over
 

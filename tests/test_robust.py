@@ -5,9 +5,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from node import robust
-from node.contribution import Contribution, Section, add_sections
-from node.robust import Aggregate, NormTracker, RobustConfig, RobustConfigError
+from dtrain.node.train import robust
+from dtrain.node.contribution import Contribution, Section, add_sections
+from dtrain.node.train.robust import Aggregate, NormTracker, RobustConfig, RobustConfigError
 
 ELEMENTS = [300, 7, 64]
 SEEDS = st.integers(0, 2**32 - 1)
@@ -134,7 +134,7 @@ def test_sparse_input_stays_sparse_in_the_output():
 @given(SEEDS, st.integers(1, 5))
 def test_a_pending_gradient_adds_the_sparse_parts_as_it_adds_the_dense_sums(seed, n):
     """The training thread adds `Aggregate.parts` (only the touched elements): the bits of adding `sums`."""
-    from node.gradient import PendingGradient
+    from dtrain.node.train.gradient import PendingGradient
     rng = np.random.default_rng(seed)
     _, grads = honest_gradients(rng, n)
     contributions = [to_contribution(f"h{i}", g, samples=int(rng.integers(4, 7)), sparse_fraction=0.3,

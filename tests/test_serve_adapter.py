@@ -11,9 +11,9 @@ import openai
 import pytest
 
 from dtrain.flags import parse_config
-from node.config import ConfigError
-from node.serve.adapter import adapter_digest, adapter_seed
-from node.split.experts import LoraExpert
+from dtrain.node.config import ConfigError
+from dtrain.node.serve.adapter import adapter_digest, adapter_seed
+from dtrain.node.split.experts import LoraExpert
 from tests.nodeproc import REPO, TINY_CONFIG, NodeProcess, new_run_id, print_logs, wait_until
 
 pytestmark = pytest.mark.timeout(240)

@@ -6,7 +6,7 @@ import sqlite3
 
 import pytest
 
-from node.serve.capture import CaptureError, CaptureStore, Record
+from dtrain.node.serve.capture import CaptureError, CaptureStore, Record
 
 
 def _record(cid: str, choice: int = 0, step: int = 3) -> Record:

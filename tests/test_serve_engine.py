@@ -9,15 +9,14 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from node.assets import ensure_tokenizer_files
-from node.config import DEFAULT_STATIC_DIR, ModelConfig
-from node.model import build_model
-from node.serve.batch import KVBatch
-from node.serve.config import ServeConfig
-from node.serve.engine import Delta, Done, Finish, Generation, QueueFullError, ServeEngine
-from node.serve.sampling import SamplingParams
-from node.serve.weights import FixedWeights, ServedWeights
-from node.tokenizer import load_tokenizer
+from dtrain.node.config import DEFAULT_STATIC_DIR, ModelConfig
+from dtrain.node.model import build_model
+from dtrain.node.serve.batch import KVBatch
+from dtrain.node.serve.config import ServeConfig
+from dtrain.node.serve.engine import Delta, Done, Finish, Generation, QueueFullError, ServeEngine
+from dtrain.node.serve.sampling import SamplingParams
+from dtrain.node.serve.weights import FixedWeights, ServedWeights
+from dtrain.node.tokenizer import load_tokenizer
 from tests.nodeproc import TINY_CONFIG
 
 pytestmark = pytest.mark.timeout(120)
@@ -33,7 +32,6 @@ def model():
 
 @pytest.fixture(scope="module")
 def tok():
-    ensure_tokenizer_files(DEFAULT_STATIC_DIR)
     return load_tokenizer(DEFAULT_STATIC_DIR)
 
 
@@ -229,7 +227,7 @@ def test_a_new_step_is_served_once_the_running_rows_drained(model, tok):
 def test_a_lora_expert_by_name_adds_its_delta_to_the_final_hidden_state(model, tok):
     import numpy as np
 
-    from node.split.experts import ExpertRegistry, LoraExpert
+    from dtrain.node.split.experts import ExpertRegistry, LoraExpert
 
     rng = np.random.default_rng(3)
     d = model.config.n_embd
@@ -269,7 +267,7 @@ def test_a_hot_swapped_expert_serves_the_rows_admitted_after_it(model, tok):
     """--feedback-lora replaces an adapter by name while completions run: one in flight keeps its version."""
     import numpy as np
 
-    from node.split.experts import ExpertRegistry, LoraExpert
+    from dtrain.node.split.experts import ExpertRegistry, LoraExpert
 
     d = model.config.n_embd
     rngs = (np.random.default_rng(1), np.random.default_rng(2))

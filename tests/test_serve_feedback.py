@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from node.config import ModelConfig, NodeConfig, SwarmConfig, TrainConfig
-from node.model import build_model
-from node.serve.capture import CaptureStore, Record
-from node.serve.feedback import CONTRIBUTOR, FeedbackTrainer, record_loss
-from node.serve.weights import load_snapshot
-from node.trainer import TrainingNode
+from dtrain.node.config import ModelConfig, NodeConfig, SwarmConfig, TrainConfig
+from dtrain.node.model import build_model
+from dtrain.node.serve.capture import CaptureStore, Record
+from dtrain.node.serve.feedback import CONTRIBUTOR, FeedbackTrainer, record_loss
+from dtrain.node.serve.weights import load_snapshot
+from dtrain.node.train.trainer import TrainingNode
 from tests.nodeproc import TINY_CONFIG, new_run_id, wait_until
 
 pytestmark = pytest.mark.timeout(180)

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from node.assets import ensure_tokenizer_files
-from node.config import DEFAULT_STATIC_DIR
-from node.serve import chat_template
-from node.serve.text import TextStream
-from node.tokenizer import load_tokenizer
+from dtrain.node.config import DEFAULT_STATIC_DIR
+from dtrain.node.serve import chat_template
+from dtrain.node.serve.text import TextStream
+from dtrain.node.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tok():
-    ensure_tokenizer_files(DEFAULT_STATIC_DIR)
     return load_tokenizer(DEFAULT_STATIC_DIR)
 
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from clients.split_client import SamplingConfig, SplitClient, apply_repetition_penalty, sample
-from node.config import ModelConfig
-from node.model import build_model
+from dtrain.clients.split_client import SamplingConfig, SplitClient, apply_repetition_penalty, sample
+from dtrain.node.config import ModelConfig
+from dtrain.node.model import build_model
 from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id
 
 PROMPT = [464, 2068, 7586, 21831, 18045, 625]

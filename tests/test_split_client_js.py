@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from clients.split_client import SplitClient
+from dtrain.clients.split_client import SplitClient
 from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id
 
 REPO = Path(__file__).resolve().parents[1]

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from node.split.dp import DPConfig, clip_and_noise, clip_rows, dp_sigma
+from dtrain.node.split.dp import DPConfig, clip_and_noise, clip_rows, dp_sigma
 
 
 def test_sigma_formula_and_protocol_value():

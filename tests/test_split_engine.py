@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from node.config import ModelConfig
-from node.model import build_model
-from node.split.dp import DPConfig, clip_and_noise
-from node.split.engine import (
+from dtrain.node.config import ModelConfig
+from dtrain.node.model import build_model
+from dtrain.node.split.dp import DPConfig, clip_and_noise
+from dtrain.node.split.engine import (
     ForwardResult,
     HEUnavailableError,
     HiddenStateError,
@@ -18,9 +18,9 @@ from node.split.engine import (
     SplitError,
     StaleSessionError,
 )
-from node.split.experts import ExpertRegistry, LoraExpert, UnknownExpertError, train_expert
-from node.split.he import HEContext
-from node.split.kv_cache import KVCacheStore
+from dtrain.node.split.experts import ExpertRegistry, LoraExpert, UnknownExpertError, train_expert
+from dtrain.node.split.he import HEContext
+from dtrain.node.split.kv_cache import KVCacheStore
 
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.json"
 

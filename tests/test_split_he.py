@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from node.split.he import HEContext, HEError, he_lora_delta
+from dtrain.node.split.he import HEContext, HEError, he_lora_delta
 
 
 @pytest.fixture(scope="module")

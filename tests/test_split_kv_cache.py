@@ -4,7 +4,7 @@ import time
 import pytest
 from transformers import DynamicCache
 
-from node.split.kv_cache import KVCacheStore, SessionCache, SessionIdError, SplitError
+from dtrain.node.split.kv_cache import KVCacheStore, SessionCache, SessionIdError, SplitError
 
 
 class FakeClock:

@@ -20,22 +20,22 @@ import pytest
 import torch
 from aiohttp import web
 
-from bridge import http, split_routes
-from clients.split_client import AsyncSplitClient, SamplingConfig
+from dtrain.bridge import http, split_routes
+from dtrain.clients.split_client import AsyncSplitClient, SamplingConfig
 from dtrain.flags import parse_config
-from node.config import ModelConfig
-from node.model import build_model
-from node.split.dp import clip_rows
-from node.split.config import SplitConfig
-from node.split.experts import LoraExpert
-from node.split.service import from_pretrained
-from node.tokenizer import load_tokenizer
-from tests.nodeproc import REPO, TINY_CONFIG, NodeProcess, new_run_id, wait_until
+from dtrain.node.config import ModelConfig
+from dtrain.node.model import build_model
+from dtrain.node.split.dp import clip_rows
+from dtrain.node.split.config import SplitConfig
+from dtrain.node.split.experts import LoraExpert
+from dtrain.node.split.service import from_pretrained
+from dtrain.node.tokenizer import load_tokenizer
+from tests.texts import shakespeare
+from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
 EXPERT = "banking"
-TRAIN_TEXT = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def nodes(expert_dir):
 @pytest.fixture
 def training_node(tmp_path):
     text = tmp_path / "train.txt"
-    text.write_text(TRAIN_TEXT.read_text()[:20_000])
+    text.write_text(shakespeare(20_000))
     proc = NodeProcess("training", ["--model-config", str(TINY_CONFIG), "--train-data", str(text),
                                     "--target-batch-size", "8", "--local-batch-size", "8", "--local-seq-len", "32"],
                        new_run_id())
@@ -162,7 +162,7 @@ def test_config_fields(nodes, model):
 def test_tokenize_matches_node_tokenizer(nodes):
     text = "What is a savings account? Ünïcode, too — 123."
     answer, = talk(nodes["plain"], [{"type": "tokenize", "text": text}])
-    want = load_tokenizer(REPO / "static").encode(text).ids
+    want = load_tokenizer().encode(text).ids
     assert answer == {"type": "tokenize", "token_ids": want, "length": len(want)}
     status, body = post(nodes["plain"], "/api/v1/split/tokenize", json.dumps({"text": text}).encode())
     assert status == 200 and body["token_ids"] == want

@@ -8,21 +8,21 @@ import time
 import numpy as np
 import pytest
 
-from bridge import dgrd
-from node.dht_records import RECORD_TTL_S as NODES_TTL_S
-from tests.nodeproc import REPO, TINY_CONFIG, NodeProcess, new_run_id, pid_alive, print_logs, start_swarm, wait_until
+from dtrain.bridge import dgrd
+from dtrain.node.swarm.records import RECORD_TTL_S as NODES_TTL_S
+from tests.texts import shakespeare
+from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, pid_alive, print_logs, start_swarm, wait_until
 from tests.test_bridge_semantics import submit
 
 pytestmark = pytest.mark.swarm
 
-TRAIN_TEXT = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 BATCH = 4  # --local-batch-size of every test node
 
 
 @pytest.fixture
 def text_file(tmp_path):
     path = tmp_path / "train.txt"
-    path.write_text(TRAIN_TEXT.read_text()[:30_000])
+    path.write_text(shakespeare(30_000))
     return path
 
 

@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from node import swarm
-from node.config import ModelConfig, SwarmConfig, TrainConfig
-from node.model import build_model
+from dtrain.node.swarm import optimizer as swarm
+from dtrain.node.config import ModelConfig, SwarmConfig, TrainConfig
+from dtrain.node.model import build_model
 from tests.nodeproc import TINY_CONFIG, new_run_id
 
 TRAIN = TrainConfig()

@@ -1,4 +1,4 @@
-"""Parity between the browser tokenizer (static/tokenizer.js, run under Node) and the Python one."""
+"""Parity between the browser tokenizer (dtrain/static/tokenizer.js, run under Node) and the Python one."""
 from __future__ import annotations
 
 import json
@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from node.tokenizer import load_tokenizer
+from dtrain.node.assets import gpt2_tokenizer_files
+from dtrain.node.tokenizer import load_tokenizer
+from tests.texts import shakespeare
 
 REPO = Path(__file__).resolve().parents[1]
-STATIC = REPO / "static"
+STATIC = REPO / "dtrain" / "static"
 SCRIPT = REPO / "tests" / "js" / "tokenizer_parity.mjs"
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 
 STRESS_TEXT = (
     "Hello, world! don't I'll we've they're she's it'd you'm O'Neil 'tis\n"
@@ -45,12 +46,14 @@ def _node() -> str:
 
 @pytest.fixture(scope="module")
 def py_tokenizer():
-    return load_tokenizer(STATIC)
+    return load_tokenizer()
 
 
 def _run_js(text_path: Path, out_path: Path) -> dict:
+    files = gpt2_tokenizer_files()
     proc = subprocess.run(
-        [_node(), str(SCRIPT), str(STATIC), str(text_path), str(out_path)],
+        [_node(), str(SCRIPT), str(STATIC / "tokenizer.js"), str(files.vocab), str(files.merges), str(text_path),
+         str(out_path)],
         capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 0, f"node failed:\n{proc.stdout}\n{proc.stderr}"
@@ -71,10 +74,11 @@ def _check(text: str, text_path: Path, tmp_path: Path, py_tokenizer, label: str)
     print(f"{label}: compared {len(expected)} tokens, identical; JS roundtrip exact")
 
 
-def test_tinyshakespeare_parity(tmp_path, py_tokenizer):
-    assert SHAKESPEARE.exists(), f"missing {SHAKESPEARE}"
-    text = SHAKESPEARE.read_bytes().decode("utf-8")  # no newline translation
-    _check(text, SHAKESPEARE, tmp_path, py_tokenizer, "tinyshakespeare")
+def test_shakespeare_parity(tmp_path, py_tokenizer):
+    text = shakespeare(1_115_394)  # as many characters as tinyshakespeare
+    path = tmp_path / "shakespeare.txt"
+    path.write_bytes(text.encode("utf-8"))  # exact bytes: no newline translation
+    _check(text, path, tmp_path, py_tokenizer, "shakespeare")
 
 
 def test_stress_text_parity(tmp_path, py_tokenizer):

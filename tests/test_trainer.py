@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from node.config import ModelConfig, NodeConfig, SwarmConfig, TrainConfig
-from node.contribution import Contribution, Section
-from node.pool import StepMismatch
-from node.snapshot import params_digest
-from node.trainer import TrainingNode
+from dtrain.node.config import ModelConfig, NodeConfig, SwarmConfig, TrainConfig
+from dtrain.node.contribution import Contribution, Section
+from dtrain.node.train.pool import StepMismatch
+from dtrain.node.snapshot import params_digest
+from dtrain.node.train.trainer import TrainingNode
 from tests.nodeproc import TINY_CONFIG, new_run_id, wait_until
 
 TRAIN = TrainConfig(min_nodes_for_update=2)

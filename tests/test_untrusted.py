@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from bridge import dgrd
+from dtrain.bridge import dgrd
 from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, wait_until
 from tests.test_bridge_semantics import download_f32
 

@@ -1,11 +1,11 @@
-// Bundle the browser dependencies into static/vendor/ (served by the node; no CDN).
+// Bundle the browser dependencies into dtrain/static/vendor/ (served by the node; no CDN).
 import { build } from "esbuild";
 import { copyFileSync, mkdirSync } from "node:fs";
 import { dirname, join } from "node:path";
 import { fileURLToPath } from "node:url";
 
 const root = join(dirname(fileURLToPath(import.meta.url)), "..");
-const out = join(root, "static", "vendor");
+const out = join(root, "dtrain", "static", "vendor");
 mkdirSync(out, { recursive: true });
 
 await build({
@@ -21,4 +21,4 @@ const wasmDist = join(root, "node_modules", "@tensorflow", "tfjs-backend-wasm", 
 for (const name of ["tfjs-backend-wasm.wasm", "tfjs-backend-wasm-simd.wasm", "tfjs-backend-wasm-threaded-simd.wasm"]) {
   copyFileSync(join(wasmDist, name), join(out, name));
 }
-console.log(`static/vendor: tf.js and the WASM binaries`);
+console.log(`dtrain/static/vendor: tf.js and the WASM binaries`);

@@ -2,7 +2,7 @@
 // INPUT_JSON: {step, nodeId, trainLoss, samples, flags, sections: [{tensorId, indices|null, values}]}
 // or, instead of sections, topk: {fraction, grads: [[...], ...]} to encode topK(grads, fraction).
 import { readFileSync, writeFileSync } from 'node:fs';
-import { encodeDGRD, topK } from '../../static/dgrd.js';
+import { encodeDGRD, topK } from '../../dtrain/static/dgrd.js';
 
 const [input, output] = process.argv.slice(2);
 if (!input || !output) {

@@ -1,0 +1,193 @@
+"""Configuration dataclasses: the model, the optimizer and the node process.
+
+Files in `static/` and `configs/` load into these; every `dtrain-node` flag maps onto a field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from dtrain.node.assets import DEFAULT_STATIC_DIR
+from dtrain.node.options import option
+from dtrain.node.serve.config import ServeConfig
+from dtrain.node.split.config import SplitConfig
+
+
+
+class ConfigError(ValueError):
+    """A configuration file or flag is invalid; the message says which field and why."""
+
+
+def _from_mapping(cls, data: dict, source: str):
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{source}: unknown field(s) {unknown}; expected some of {sorted(names)}")
+    try:
+        return cls(**data)
+    except TypeError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """GPT-2-style causal LM shape, as `static/model_config.json` spells it."""
+
+    vocab_size: int = 50257  # tokens in the GPT-2 vocabulary
+    d_model: int = 256  # hidden size
+    n_heads: int = 4  # attention heads per block
+    n_layers: int = 4  # transformer blocks
+    d_ff: int = 1024  # inner size of each MLP
+    max_seq_len: int = 256  # learned positions
+    seed: int = 1234  # initialisation seed: every fresh swarm starts from the same parameters
+    name: str = "dtrain-gpt2"  # informational model name
+
+    def __post_init__(self):
+        for key in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"model config: {key} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"model config: d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+
+    @classmethod
+    def load(cls, path: Path | str) -> "ModelConfig":
+        return _from_mapping(cls, _read_json(path), str(path))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimizer settings: the `train` block of the API (`static/train_config.json`)."""
+
+    learning_rate: float = 3e-4  # AdamW step size
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.999  # AdamW second-moment decay
+    eps: float = 1e-8  # AdamW denominator epsilon
+    weight_decay: float = 0.01  # AdamW decoupled weight decay
+    min_nodes_for_update: int = 1  # distinct contributors before a node hands its bridge gradient to the swarm
+
+    def __post_init__(self):
+        if not isinstance(self.min_nodes_for_update, int) or self.min_nodes_for_update < 1:
+            raise ConfigError(f"train config: min_nodes_for_update must be >= 1, got {self.min_nodes_for_update!r}")
+        if not self.learning_rate > 0:
+            raise ConfigError(f"train config: learning_rate must be > 0, got {self.learning_rate!r}")
+
+    @classmethod
+    def load(cls, path: Path | str) -> "TrainConfig":
+        return _from_mapping(cls, _read_json(path), str(path))
+
+
+@dataclass(frozen=True)
+class SwarmConfig:
+    """How the node joins the hivemind swarm and when the swarm updates."""
+
+    initial_peers: Sequence[str] = option((), "--initial-peers", "multiaddrs of running peers; none starts a new swarm",
+                                          nargs="+")  # any running peer's multiaddrs
+    host_maddrs: Sequence[str] = option(("/ip4/0.0.0.0/tcp/0",), "--host-maddrs", "libp2p listen multiaddrs",
+                                        nargs="+")  # where libp2p listens
+    announce_maddrs: Sequence[str] = option((), "--announce-maddrs", "multiaddrs to advertise to peers (behind NAT)",
+                                            nargs="+")  # addresses to advertise instead of the listening ones
+    identity_path: Optional[str] = option(None, "--identity-path",
+                                          "libp2p private key file for a stable peer id (created if missing)")
+    run_id: str = option("dtrain", "--run-id", "swarm name; peers with the same run id train together")
+    # an update begins once the swarm gathered this many samples (or they stopped growing for settle_s)
+    target_batch_size: int = option(1, "--target-batch-size",
+                                    "samples that start an update at once (1: any pending sample)")
+    settle_s: float = option(2.0, "--settle-time", "an update also begins once the swarm's pending samples stopped "
+                                                    "growing this long, seconds")  # keeps the pace when a peer leaves
+    matchmaking_time_s: float = option(5.0, "--matchmaking-time", "seconds to gather an averaging group "
+                                                                  "(must exceed --request-timeout)")
+    averaging_timeout_s: float = option(30.0, "--averaging-timeout", "bound on one all-reduce round, seconds")
+    request_timeout_s: float = option(3.0, "--request-timeout", "bound on one averaging RPC, seconds")
+    load_state_timeout_s: float = 120.0  # bound on downloading state from a peer, seconds
+
+    def __post_init__(self):
+        if self.matchmaking_time_s <= self.request_timeout_s:
+            raise ConfigError(
+                f"matchmaking_time ({self.matchmaking_time_s}s) must exceed request_timeout ({self.request_timeout_s}s);"
+                " hivemind stalls when they are equal"
+            )
+        if self.target_batch_size < 1:
+            raise ConfigError("target_batch_size must be >= 1")
+        if not self.settle_s > 0:
+            raise ConfigError(f"settle_s must be > 0 seconds, got {self.settle_s!r}")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Everything one `dtrain-node` process runs with."""
+
+    host: str = option("0.0.0.0", "--host", "bridge listen address")
+    port: int = option(8095, "--port", "bridge HTTP port")
+    static_dir: str = option(str(DEFAULT_STATIC_DIR), "--static-dir",
+                             "configs, tokenizer files and pages served under /static/")
+    model_config: Optional[str] = option(None, "--model-config",
+                                         "model config JSON (default <static-dir>/model_config.json)")
+    train_config: Optional[str] = option(None, "--train-config",
+                                         "optimizer config JSON (default <static-dir>/train_config.json)")
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    checkpoint_dir: Optional[str] = option(None, "--checkpoint-dir",
+                                           "save state here every --checkpoint-every updates and on shutdown")
+    checkpoint_every: int = option(10, "--checkpoint-every", "updates between checkpoints")
+    train_data: Optional[str] = option(None, "--train-data",
+                                       "local text file: the node trains on it and hands out batches")
+    serve_data: bool = option(True, "--no-data", "hand out no /api/v1/data/batch (without it: batches of "
+                              "--train-data, else of the default corpus, which the node never trains on)",
+                              action="store_false", dest="serve_data")
+    local_batch_size: int = option(8, "--local-batch-size", "sequences per local training step")
+    local_seq_len: int = option(64, "--local-seq-len", "tokens per sequence of local training and handed-out batches")
+    local_samples_per_update: int = option(0, "--local-samples-per-update",
+                                           "own-data samples per update, then wait for the swarm (0: no cap)")
+    log_level: str = option("INFO", "--log-level", "DEBUG, INFO, WARNING")
+    # untrusted contributors (README, "Contributors are strangers")
+    max_samples_per_packet: int = option(256, "--max-samples-per-packet",
+                                         "samples one packet may claim; above it the packet is refused with 400")
+    rate_limit_per_s: float = option(5.0, "--rate-limit", "packets per second per contributor (0: no limit); "
+                                                          "above it 429 with Retry-After")
+    rate_burst: int = option(30, "--rate-burst", "packets a contributor may send back to back")
+    contributor_tokens: Optional[str] = option(None, "--contributor-tokens", "file of bearer tokens, one per line: "
+                                               "only contributors sending one are accepted (default: open)")
+    aggregation: str = option("centered_clip", "--aggregation", "how one hand-over's contributions combine: "
+                              "centered_clip, trimmed_mean or mean (weight and norm bounds only)")
+    norm_bound: Optional[float] = option(None, "--norm-bound", "fixed L2 bound of one contribution's gradient "
+                                                               "(default: 4x the running median norm)")
+    min_cosine: Optional[float] = option(None, "--min-cosine", "direction check: a contribution whose cosine with the "
+                                         "node's Adam momentum is below this counts with weight 0, e.g. -0.05 "
+                                         "(default: off; it stops sign-flipped gradients but may drop an honest one)")
+    # memory: accepted packets wait in the node's pool until its training thread takes them (during an update it
+    # takes none); many node_ids may pile up packets meanwhile
+    max_pending_mib: int = option(512, "--max-pending-mib", "MiB of accepted packets a node holds before its "
+                                  "training thread takes them; above it a packet is refused with 503 and "
+                                  "Retry-After (0: no bound)")
+    split: SplitConfig = field(default_factory=SplitConfig)  # split-inference options
+    serve: ServeConfig = field(default_factory=ServeConfig)  # the OpenAI-compatible API, capture and feedback
+
+    def __post_init__(self):
+        if not isinstance(self.max_pending_mib, int) or self.max_pending_mib < 0:
+            raise ConfigError(f"max_pending_mib must be an integer >= 0 (0: no bound), got {self.max_pending_mib!r}")
+
+    @property
+    def max_pending_bytes(self) -> Optional[int]:
+        """The pool's byte bound (node.pool.ContributionPool); None: no bound."""
+        return self.max_pending_mib << 20 if self.max_pending_mib else None
+
+    def model_config_path(self) -> Path:
+        return Path(self.model_config) if self.model_config else Path(self.static_dir) / "model_config.json"
+
+    def train_config_path(self) -> Path:
+        return Path(self.train_config) if self.train_config else Path(self.static_dir) / "train_config.json"
+
+
+def _read_json(path: Path | str) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return data

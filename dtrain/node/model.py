@@ -1,0 +1,63 @@
+"""The shared GPT-2-style model: built from a ModelConfig with seeded weights, and its tensor listing."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from dtrain.node.config import ModelConfig
+
+
+def hf_config(config: ModelConfig) -> GPT2Config:
+    return GPT2Config(
+        vocab_size=config.vocab_size,
+        n_positions=config.max_seq_len,
+        n_embd=config.d_model,
+        n_layer=config.n_layers,
+        n_head=config.n_heads,
+        n_inner=config.d_ff,
+        # no dropout: gradients computed by browsers and by the node must agree exactly
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=min(50256, config.vocab_size - 1),
+        eos_token_id=min(50256, config.vocab_size - 1),
+        tie_word_embeddings=True,
+    )
+
+
+def build_model(config: ModelConfig) -> GPT2LMHeadModel:
+    """A GPT2LMHeadModel with the config's seeded initial weights (identical on every machine)."""
+    devices = []  # fork_rng must not touch CUDA state: the node is CPU-first
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(config.seed)
+        model = GPT2LMHeadModel(hf_config(config))
+    model.eval()  # dropout is 0 anyway; eval keeps transformers from warning about training mode
+    return model
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One entry of the API manifest: a parameter in `named_parameters()` order, tied weights once."""
+
+    id: int
+    name: str
+    shape: tuple[int, ...]
+    elements: int
+
+
+def tensor_infos(model: torch.nn.Module) -> tuple[TensorInfo, ...]:
+    # named_parameters() already lists a tied weight (wte / lm_head) once
+    return tuple(
+        TensorInfo(id=i, name=name, shape=tuple(p.shape), elements=p.numel())
+        for i, (name, p) in enumerate(model.named_parameters())
+    )
+
+
+def embedding_tensor_id(model: torch.nn.Module) -> int:
+    """The manifest id of the token embedding (tied with the LM head): what split clients download."""
+    for info in tensor_infos(model):
+        if info.name.endswith("wte.weight"):
+            return info.id
+    raise LookupError("model has no token embedding (wte.weight)")

@@ -1,0 +1,1 @@
+"""The swarm: hivemind optimizer wrapper, commit decisions, agreement on state, presence and signed DHT records."""

@@ -1,0 +1,284 @@
+"""Every node serves the swarm's bytes for a step, and knows whether its own gradient is in them.
+
+After an update every peer publishes a record for the new epoch in the DHT (`dtrain_{run_id}_digests_{epoch}`):
+the sha256 of its parameters, its state-sharing priority (`swarm.update_bonus`: a complete gradient round over a
+failed one, distinct per peer), the group whose gradients its update averaged, and whether it
+already serves those bytes. The rule:
+
+1. A peer whose gradient round completed waits (bounded) for the records of its group; it stops waiting as soon
+   as some peer serves the epoch. A peer whose round failed does not wait.
+2. The reference is the served record of highest priority if there is one, else the record of highest priority.
+   A peer serves the new step only with the reference's bytes: equal digests, or a download of the reference's
+   state checked against its digest. Until then it keeps serving the previous step.
+3. Its own gradient is in the swarm's update if it serves its own update's bytes, or if its round was complete
+   and the group of the update it serves holds it. Otherwise the node carries it into its next update
+   (`node.gradient`).
+
+A served record outranks any later one, so a peer that updates later (alone after a failed round, say) follows the
+peers that already serve. Records of the last KEEP_EPOCHS epochs are kept alive: a joiner of an idle swarm checks
+its download at once. Downloads are checked against these records too: hivemind may label update e's state e + 1,
+and a state downloaded from a peer inside an update can be torn.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from enum import Enum
+from typing import Iterable, Mapping, Optional
+
+import hivemind
+import torch
+from hivemind.utils.logging import get_logger
+
+from dtrain.node.swarm import records as dht_records
+from dtrain.node.config import SwarmConfig
+from dtrain.node.snapshot import Snapshot, make_snapshot, params_digest
+from dtrain.node.swarm.optimizer import RoundOutcome, SwarmOptimizer
+
+logger = get_logger(__name__)
+
+WAIT_MARGIN_S = 5.0  # added to the longest an update can take when a peer waits for the records of the others
+GROUP_MARGIN_S = 2.0  # added to one state-averaging round when a peer waits for the records of its group
+RECHECK_EVERY_S = 1.0
+LOAD_ATTEMPTS = 5  # downloads of the swarm's state until its bytes match what peers published
+RETRY_S = 1.0  # pause between two downloads: the peer it came from was inside an update
+KEEP_EPOCHS = 2  # this peer's records kept alive: the epoch it serves and the one before
+
+
+@dataclass(frozen=True)
+class Record:
+    """One peer's parameters after one epoch."""
+
+    digest: str
+    priority: float  # its state-sharing priority: the epoch, plus a bonus when it made the update
+    group: tuple[str, ...] = ()  # the peers whose gradients its update averaged (empty: it only caught up)
+    clean: bool = False  # its gradient round completed
+    served: bool = False  # it serves these bytes
+
+    @classmethod
+    def parse(cls, raw: Mapping) -> Optional["Record"]:
+        try:
+            return cls(digest=str(raw["digest"]), priority=float(raw["priority"]),
+                       group=tuple(str(p) for p in raw.get("group", ())), clean=bool(raw.get("clean", False)),
+                       served=bool(raw.get("served", False)))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def as_dict(self) -> dict:
+        return dict(digest=self.digest, priority=self.priority, group=list(self.group), clean=self.clean,
+                    served=self.served)
+
+
+class Download(Enum):
+    """How a download of the swarm's state compares with what the peers published."""
+
+    CHECKED = "checked"  # the bytes the peers serve for its epoch (or the seeded model of epoch 0)
+    UNCHECKED = "unchecked"  # no peer published anything for its epoch: nothing to compare with
+    REFUSED = "refused"  # peers published other bytes for its epoch, every attempt: it must not be served
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a peer serves after an update, and whether that update applied its own gradient."""
+
+    snapshot: Optional[Snapshot]  # None: the model holds bytes nobody vouched for; keep serving the last step
+    included: bool  # the update the swarm serves holds this peer's gradient
+    reference: str  # the peer whose bytes the swarm serves
+
+
+def reference_of(records: Mapping[str, Record]) -> Optional[tuple[str, Record]]:
+    """The peer whose bytes every peer serves for the epoch (rule 2 above)."""
+    served = {p: r for p, r in records.items() if r.served}
+    pool = served or records
+    if not pool:
+        return None
+    return max(pool.items(), key=lambda item: (item[1].priority, item[0]))
+
+
+class Agreement:
+    """One peer's side of the agreement; every method runs on the training thread."""
+
+    def __init__(self, dht: hivemind.DHT, optimizer: SwarmOptimizer, model: torch.nn.Module, config: SwarmConfig,
+                 stop: threading.Event, seed_digest: str):
+        self.dht, self.optimizer, self.model, self._stop = dht, optimizer, model, stop
+        self.run_id, self.peer_id = config.run_id, str(dht.peer_id)
+        # a peer whose gradient round failed matchmakes and waits out a state-averaging round too:
+        # it may finish two averaging timeouts after the others
+        self.wait_s = WAIT_MARGIN_S + config.matchmaking_time_s + 2 * config.averaging_timeout_s
+        # the members of one complete gradient round publish within one state-averaging round of each other
+        self.group_wait_s = GROUP_MARGIN_S + config.matchmaking_time_s + config.averaging_timeout_s
+        self.seed_digest = seed_digest  # the parameters of epoch 0 (the seeded model)
+        self._records: dict[int, Record] = {}  # epoch -> what this peer published for it (the last KEEP_EPOCHS)
+        self._next_recheck = 0.0
+        self._swarm_epoch = 0  # the latest epoch of the swarm this peer has seen (see `saw`)
+
+    # ---- records ---------------------------------------------------------------------------------------------
+
+    def _key(self, epoch: int) -> str:
+        return f"dtrain_{self.run_id}_digests_{epoch}"
+
+    def records(self, epoch: int) -> dict[str, Record]:
+        parsed = {p: Record.parse(r) for p, r in dht_records.read(self.dht, self._key(epoch)).items()}
+        return {p: r for p, r in parsed.items() if r is not None}
+
+    def _others(self, epoch: int) -> dict[str, Record]:
+        return {p: r for p, r in self.records(epoch).items() if p != self.peer_id}
+
+    def _publish(self, epoch: int, record: Record) -> None:
+        self._records[epoch] = record
+        for old in sorted(self._records)[:-KEEP_EPOCHS]:
+            del self._records[old]
+        dht_records.store(self.dht, self._key(epoch), self.peer_id, record.as_dict())
+
+    def vouch(self, snap: Snapshot) -> None:
+        """Publish state this peer loaded and checked, or restored: a served record of its epoch, never a
+        reference over a peer that made the update."""
+        self._publish(snap.updates, Record(snap.digest, priority=float(snap.updates), served=True))
+
+    def keep_alive(self) -> None:
+        """Refresh this peer's latest records (records expire after dht_records.RECORD_TTL_S)."""
+        for epoch, record in self._records.items():
+            dht_records.store(self.dht, self._key(epoch), self.peer_id, record.as_dict())
+
+    # ---- downloads -----------------------------------------------------------------------------------------
+
+    def saw(self, epoch: int) -> int:
+        """Note that the swarm was at `epoch`; returns the latest epoch seen. The tracker's view of the swarm is
+        its peers' progress records, which expire: a peer whose DHT stops answering leaves none a minute later, and
+        the tracker then shows epoch 0. The swarm never goes back, so neither does this."""
+        self._swarm_epoch = max(self._swarm_epoch, epoch)
+        return self._swarm_epoch
+
+    def load_state_from_peers(self, want_digest: Optional[str] = None) -> Download:
+        """Download the swarm's parameters and optimizer state and check them against the records: the bytes
+        the peers serve for the epoch they are labelled with, or exactly `want_digest`.
+
+        A state downloaded while its peer is inside an update can be torn (stepped, not yet averaged), and hivemind
+        labels a downloaded state with the swarm's next epoch when the swarm is one epoch ahead of it ("Catching
+        up with collaboration step"): the bytes of update e served as step e + 2. The records tell which epoch the
+        bytes are; anything else is downloaded again. This peer shares no state of its own until it serves again
+        (`TrainingNode._publish`): its tensors are being overwritten. A download that got nothing leaves epoch 0
+        and the seeded model, which is the swarm's state only while the swarm is at epoch 0.
+        """
+        opt = self.optimizer
+        opt.state_averager.allow_state_sharing = False
+        for attempt in range(LOAD_ATTEMPTS):
+            if attempt and self._stop.wait(RETRY_S):
+                return Download.REFUSED
+            if self._stop.is_set():
+                return Download.REFUSED
+            logger.info("Loading the swarm's parameters and optimizer state from peers")
+            opt.load_state_from_peers()
+            epoch, digest = opt.local_epoch, params_digest(self.model)
+            if digest == want_digest:
+                return Download.CHECKED
+            if epoch == 0:  # the seeded model is the only state of epoch 0
+                swarm_epoch = self.saw(opt.tracker.global_epoch)
+                if digest == self.seed_digest and swarm_epoch == 0:
+                    return Download.CHECKED
+                logger.info(f"No state of the swarm's epoch {swarm_epoch} came (no peer shared one, "
+                            f"or it was not the seeded model of epoch 0); loading again")
+                continue
+            deadline = time.monotonic() + self.wait_s  # the peers may still be finishing this update
+            while not (published := self._others(epoch)) and time.monotonic() < deadline:
+                if self._stop.wait(0.1):
+                    return Download.REFUSED
+            if _is_reference(published, digest):
+                return Download.CHECKED
+            if _has_digest(self._others(epoch - 1).values(), digest):
+                logger.info(f"The downloaded state is that of update {epoch - 1}, labelled {epoch}; loading again")
+                opt.state_averager.local_epoch = epoch - 1
+            elif not published:
+                logger.warning(f"No peer published its parameters for update {epoch}; keeping the download")
+                return Download.UNCHECKED
+            else:
+                logger.info(f"The downloaded state is not the one peers serve for update {epoch} "
+                            f"(caught inside an update); loading again")
+        logger.warning("Could not download a state that agrees with what its peers published")
+        return Download.REFUSED
+
+    def check_download(self) -> Download:
+        """State hivemind downloaded by itself inside step() ("Peer is out of sync"): kept when it is the bytes the
+        peers serve for its epoch, else downloaded again through `load_state_from_peers`."""
+        epoch, digest = self.optimizer.local_epoch, params_digest(self.model)
+        published = self._others(epoch)
+        if (epoch == 0 and digest == self.seed_digest) or _is_reference(published, digest):
+            return Download.CHECKED
+        return self.load_state_from_peers()
+
+    # ---- after an update -------------------------------------------------------------------------------------
+
+    def after_update(self, snap: Snapshot, outcome: RoundOutcome) -> Verdict:
+        """Publish this peer's parameters of a new update, agree on the epoch's bytes (rules 1-3), return what to
+        serve. Waits (at most `group_wait_s`) only for the members of a complete round's group: they all finished
+        the same gradient round, so their records come within one state-averaging round of each other. A peer whose
+        round failed waits for nobody: a served record outranks any later one, so later updaters follow it."""
+        epoch = snap.updates
+        mine = Record(snap.digest, self.optimizer.state_averager.state_sharing_priority,
+                      group=outcome.group, clean=outcome.clean)
+        self._publish(epoch, mine)
+        waiting_for = set(outcome.group) - {self.peer_id} if outcome.clean else set()
+        deadline = time.monotonic() + self.group_wait_s
+        while True:
+            records = self.records(epoch)
+            records[self.peer_id] = mine
+            if any(r.served for r in records.values()) or waiting_for <= records.keys():
+                break
+            if time.monotonic() >= deadline:
+                logger.info(f"update {epoch}: no record from {sorted(waiting_for - records.keys())} "
+                            f"within {self.group_wait_s:.0f}s")
+                break
+            if self._stop.wait(0.05):
+                break
+        return self._serve(snap, mine, records)
+
+    def _serve(self, snap: Snapshot, mine: Record, records: dict[str, Record]) -> Verdict:
+        epoch = snap.updates
+        reference_peer, reference = reference_of(records)
+        # serving its own update's bytes, a peer serves its own gradient (averaged, or alone after a failed round);
+        # serving another's, only if that update's group held it and its own round completed
+        origin = max((r for r in records.values() if r.digest == reference.digest and r.group),
+                     key=lambda r: r.priority, default=reference)
+        included = reference.digest == snap.digest or (mine.clean and self.peer_id in origin.group)
+        if reference.digest != snap.digest and not self._stop.is_set():
+            logger.warning(f"update {epoch}: parameters differ from those peer {reference_peer} serves; "
+                           f"loading its state")
+            # follow: below the reference, so that downloads of the others come from it
+            self.optimizer.state_averager.state_sharing_priority = float(epoch)
+            if self.load_state_from_peers(want_digest=reference.digest) is not Download.CHECKED:
+                # never serve bytes that disagree with the swarm's: keep serving the last step, catch up later.
+                # Whether the swarm's update holds this peer's gradient does not depend on that.
+                logger.warning(f"update {epoch}: could not load peer {reference_peer}'s state; serving the last "
+                               f"step until a download agrees with the swarm")
+                return Verdict(None, included, reference_peer)
+            snap = make_snapshot(self.model, self.optimizer.local_epoch)  # the reference's, or a later served state
+        if snap.updates == epoch:
+            self._publish(epoch, Record(snap.digest, self.optimizer.state_averager.state_sharing_priority,
+                                        group=mine.group, clean=mine.clean, served=True))
+        return Verdict(snap, included, reference_peer)
+
+    def recheck(self, snap: Snapshot, force: bool = False) -> Snapshot:
+        """Until this peer's next update (at most every RECHECK_EVERY_S unless `force`d): follow a peer that served
+        the same epoch with a higher priority and other bytes, which only a race of two separate updates leaves."""
+        mine = self._records.get(snap.updates)
+        if mine is None or not mine.group or (not force and time.monotonic() < self._next_recheck):
+            return snap
+        self._next_recheck = time.monotonic() + RECHECK_EVERY_S
+        records = self.records(snap.updates)
+        records[self.peer_id] = mine
+        reference_peer, reference = reference_of(records)
+        if reference.digest == snap.digest or self._stop.is_set():
+            return snap
+        logger.warning(f"update {snap.updates}: peer {reference_peer} serves other bytes with a higher priority; "
+                       f"loading its state")
+        return self._serve(snap, mine, records).snapshot
+
+
+def _is_reference(records: Mapping[str, Record], digest: str) -> bool:
+    """These are the bytes the peers serve for the records' epoch (rule 2)."""
+    return bool(records) and reference_of(records)[1].digest == digest
+
+
+def _has_digest(records: Iterable[Record], digest: str) -> bool:
+    return any(r.digest == digest for r in records)

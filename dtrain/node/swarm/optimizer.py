@@ -1,0 +1,294 @@
+"""The node's hold on the hivemind swarm: its DHT and the collaborative optimizer around the model's AdamW.
+
+`Swarm` owns both and their shutdown. `SwarmOptimizer` is hivemind.Optimizer with four changes the node
+relies on: a gradient round is applied whole or not at all (node.commit), it applies the node's exact gradient
+whenever the swarm's average is unavailable, it reports each update's outcome (which peers' gradients went into it),
+and an update also begins when the swarm's pending samples stop growing, so a swarm keeps its pace when a peer leaves
+whatever target it was started with.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import hivemind
+import torch
+from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time
+from hivemind.utils.logging import get_logger
+
+from dtrain.node.swarm.commit import AbortedRound, CommittingGradientAverager
+from dtrain.node.config import SwarmConfig, TrainConfig
+
+logger = get_logger(__name__)
+
+# the tracker looks for fresh swarm progress at least this often: it bounds how far apart peers begin an update
+TRACKER_MAX_REFRESH_S = 1.0
+SHUTDOWN_TIMEOUT_S = 5.0  # how long hivemind may take to leave the swarm when stopped under an update
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """Whose gradients one update of this peer applied."""
+
+    epoch: int  # the epoch the update made
+    group: tuple[str, ...]  # peer ids whose gradients were averaged (this peer alone when it used its own)
+    clean: bool  # the gradient round completed on this peer (or it was alone): its gradient is in the average
+
+
+def make_local_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.optim.AdamW:
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=train.learning_rate,
+        betas=(train.beta1, train.beta2),
+        eps=train.eps,
+        weight_decay=train.weight_decay,
+    )
+    # Give AdamW its (empty) state now. hivemind otherwise creates it with a zero-gradient optimizer step, which
+    # applies weight decay to the seeded weights and starts Adam's bias correction one step late.
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            optimizer.state[p] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
+    return optimizer
+
+
+class PacedTracker(ProgressTracker):
+    """hivemind's tracker with the swarm's own rule for when an update begins (README, "When the swarm updates").
+
+    An update begins when the swarm moved to a later epoch, when the swarm's pending samples reach the target, or
+    once they stopped growing for `settle_s`. Two of hivemind's rules are left out:
+    - its estimate of when the target will be reached. It extrapolates each peer's samples per second, which a
+      bridge's bursts of packets make meaningless: a node that took 4 samples in 10 ms expected the rest at once and
+      updated alone while its peer's packet was still on the way;
+    - reaching the target while this peer's view of the swarm's progress shows no one else although other nodes
+      announced themselves (a node that joined or just received its first packet has not read their progress yet).
+      Then the settle rule decides, which waits long enough for the progress of every peer to be read.
+    """
+
+    def __init__(self, *args, settle_s: float, **kwargs):
+        self.settle_s = settle_s
+        # whether other nodes announced themselves: set by the node once it knows who is in the swarm; a swarm
+        # without announcements (the adapter's, node.serve.adapter) sets it to always true
+        self.others_present: Callable[[], bool] = lambda: False
+        self._seen_samples, self._grew_at = 0, time.monotonic()
+        super().__init__(*args, **kwargs)
+
+    @property
+    def ready_to_update_epoch(self) -> bool:
+        if self.global_epoch > self.local_progress.epoch:
+            return True
+        progress = self.global_progress
+        samples = progress.samples_accumulated
+        if samples != self._seen_samples:
+            self._seen_samples, self._grew_at = samples, time.monotonic()
+        if samples >= self.target_batch_size and (progress.num_peers > 1 or not self.others_present()):
+            return True
+        return samples > 0 and time.monotonic() - self._grew_at >= self.settle_s
+
+    @property
+    def estimated_next_update_time(self) -> float:
+        # no estimate, so hivemind never pre-schedules a round for a time the bridge's traffic cannot promise
+        return get_dht_time() if self.ready_to_update_epoch else float("inf")
+
+
+class SwarmOptimizer(hivemind.Optimizer):
+    """hivemind.Optimizer that applies this peer's exact gradient whenever the swarm's average is unavailable and
+    reports the outcome of every update (`last_round`).
+
+    hivemind 1.1.12 resets its gradient accumulators when a gradient all-reduce begins. When that round then
+    fails (a peer times out), its fallback "proceeding with local gradients" reloads the zeroed accumulators, so
+    the update is weight decay alone and the samples are lost. With no other peer it applies the accumulators
+    without dividing them by the number of step() calls. The node keeps its own exact gradient and hands it in
+    through `local_gradients`.
+    """
+
+    def __init__(self, *, local_gradients: Callable[[], Sequence[torch.Tensor]], update_bonus: float,
+                 settle_s: float, **kwargs):
+        self._local_gradients = local_gradients
+        self._update_bonus = update_bonus  # added to the epoch as this peer's state-sharing priority after an update
+        self._settle_s = settle_s
+        self.last_round: Optional[RoundOutcome] = None
+        self._round_group: tuple[str, ...] = ()
+        self._round_clean = False
+        super().__init__(**kwargs)
+
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
+        return PacedTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
+                             client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=True,
+                             settle_s=self._settle_s, **kwargs)
+
+    @property
+    def peer_id(self) -> str:
+        return str(self.dht.peer_id)
+
+    def _load_exact_local_gradients(self) -> None:
+        params = [p for group in self.state_averager.optimizer.param_groups for p in group["params"]]
+        with torch.no_grad():
+            for param, grad in zip(params, self._local_gradients()):
+                param.grad.copy_(grad.view_as(param))
+
+    def _load_local_gradients_into_optimizer(self):
+        self._load_exact_local_gradients()
+        self.grad_averager.notify_used_averaged_gradients()
+
+    def _begin_averaging_gradients(self, grad_scaler) -> bool:
+        self._round_group, self._round_clean = (self.peer_id,), False
+        began = super()._begin_averaging_gradients(grad_scaler)
+        if not began:
+            # hivemind goes on with whatever is in .grad (the raw accumulators): put the exact gradient there
+            self._load_exact_local_gradients()
+            self._round_clean = self.tracker.global_progress.num_peers <= 1  # alone: nothing to average with
+        return began
+
+    def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
+        if maybe_step_control is None:
+            self._round_clean = True  # "no other peers": this peer's gradient is the whole update
+            self._load_exact_local_gradients()
+            self.grad_averager.notify_used_averaged_gradients()
+            return
+        try:
+            # the averager decides within its deadline (matchmaking) plus one all-reduce with its commit step: waiting
+            # longer than that, this peer never uses its own gradient while the others apply a round it committed
+            bound = max(0.0, maybe_step_control.deadline - get_dht_time()) + self.allreduce_timeout + 1.0
+            group_info = maybe_step_control.result(bound)
+            if not isinstance(group_info, AbortedRound):
+                self._load_averaged_gradients_into_optimizer_()
+        except BaseException as e:
+            group_info = AbortedRound(repr(e))
+        if isinstance(group_info, AbortedRound):
+            logger.info(f"Gradient averaging failed ({group_info.reason}): this update uses this peer's own gradient")
+            self._load_local_gradients_into_optimizer()
+            return
+        logger.info(f"Averaged gradients with {len(group_info)} peers")
+        self._round_group = tuple(sorted(str(peer) for peer in group_info))
+        self._round_clean = True
+
+    def _update_global_epoch(self, grad_scaler) -> None:
+        if self.tracker.global_epoch > self.local_epoch:
+            # Behind the swarm. hivemind would let this peer update anyway, joining whatever gradient round the
+            # others gather next with a gradient of parameters they have left, and label the result with an epoch
+            # whose bytes the others made: its gradient was then applied in their update and, having lost the
+            # agreement, carried into a later one too. The node catches up first (TrainingNode._catch_up) and
+            # joins the swarm's next round with its gradient intact.
+            return
+        super()._update_global_epoch(grad_scaler)
+        self.last_round = RoundOutcome(epoch=self.local_epoch, group=self._round_group, clean=self._round_clean)
+        if not self.client_mode:
+            self.state_averager.state_sharing_priority = self.local_epoch + update_bonus(
+                self._update_bonus, clean=self._round_clean)
+
+
+def peer_bonus(peer_id: str) -> float:
+    """A per-peer number in [0, 1): peers that made the same kind of update are ranked by it."""
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") / 2 ** 32
+
+
+def update_bonus(bonus: float, clean: bool) -> float:
+    """A peer's state-sharing priority above its epoch after an update, in (0, 1).
+
+    With a complete gradient round: [0.7, 0.99). After a failed round (its own gradient only): [0.4, 0.69). A peer
+    that only caught up has its bare epoch. The reference of an epoch, whose bytes every peer serves, is its peer of
+    highest priority: a complete round's over a failed one's, distinct per peer.
+    """
+    return (0.7 if clean else 0.4) + 0.29 * bonus
+
+
+class Swarm:
+    """The DHT and the collaborative optimizer of one node, and their bounded shutdown."""
+
+    def __init__(self, config: SwarmConfig, local_optimizer: torch.optim.Optimizer,
+                 local_gradients: Callable[[], Sequence[torch.Tensor]], verbose: bool = False):
+        self.config = config
+        identity_path = config.identity_path
+        if identity_path and not os.path.exists(identity_path):
+            P2P.generate_identity(identity_path)  # a stable peer id across restarts
+            logger.info(f"Generated a new libp2p identity in {identity_path}")
+        self.dht = hivemind.DHT(
+            initial_peers=list(config.initial_peers),
+            host_maddrs=list(config.host_maddrs),
+            announce_maddrs=list(config.announce_maddrs) or None,
+            identity_path=identity_path,
+            start=True,
+        )
+        self.optimizer: Optional[SwarmOptimizer] = None
+        self._shut_down = threading.Event()
+        try:
+            self.peer_id = str(self.dht.peer_id)
+            self.maddrs = [str(addr) for addr in self.dht.get_visible_maddrs()]
+            # Every node applies the same averaged update: gradients are all-reduced, then parameters and Adam
+            # moments (delay_state_averaging=False keeps state averaging inside the update).
+            self.optimizer = SwarmOptimizer(
+                local_gradients=local_gradients,
+                update_bonus=peer_bonus(self.peer_id),
+                settle_s=config.settle_s,
+                dht=self.dht,
+                run_id=config.run_id,
+                target_batch_size=config.target_batch_size,
+                optimizer=local_optimizer,
+                matchmaking_time=config.matchmaking_time_s,
+                averaging_timeout=config.averaging_timeout_s,
+                load_state_timeout=config.load_state_timeout_s,
+                delay_state_averaging=False,
+                reuse_grad_buffers=True,  # the node writes the exact samples-weighted gradient into .grad itself
+                grad_averager_factory=CommittingGradientAverager,  # a gradient round is applied whole or not at all
+                average_state_every=1,
+                average_opt_statistics=("exp_avg", "exp_avg_sq"),
+                averager_opts=dict(request_timeout=config.request_timeout_s),
+                tracker_opts=dict(min_refresh_period=0.2, max_refresh_period=TRACKER_MAX_REFRESH_S,
+                                  default_refresh_period=0.5),
+                verbose=verbose,
+            )
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def epoch(self) -> int:
+        return self.optimizer.local_epoch
+
+    def wait_for_progress(self, timeout_s: float) -> bool:
+        """Bounded wait for the tracker's first look at the swarm's progress (so global_epoch is real)."""
+        return self.optimizer.tracker.fetched_global_progress_this_epoch.wait(timeout_s)
+
+    def shutdown(self, timeout_s: Optional[float] = None) -> None:
+        """Idempotent: the training thread and a stopping main thread may both call it.
+
+        hivemind's own shutdown waits on an all-reduce in flight and then on each process's grace period in turn
+        (more than 15 s seen here). With `timeout_s` it gets that long; then hivemind's processes still alive are
+        terminated, which is what hivemind itself does when a grace period runs out.
+        """
+        if timeout_s is None:
+            self._shut_down_once()
+            return
+        deadline = time.monotonic() + timeout_s
+        threading.Thread(target=self._shut_down_once, name="dtrain-shutdown", daemon=True).start()
+        averagers = (getattr(self.optimizer, "grad_averager", None), getattr(self.optimizer, "state_averager", None))
+        processes = [p for p in (*averagers, self.dht) if p is not None]
+        # wait for the processes, not the thread: another thread may be inside the graceful shutdown already
+        while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for process in processes:
+            if process.is_alive():
+                logger.warning(f"{type(process).__name__} did not shut down within {timeout_s:.0f}s; terminating it")
+                process.terminate()
+
+    def _shut_down_once(self) -> None:
+        if self._shut_down.is_set():
+            return
+        self._shut_down.set()
+        for part in (self.optimizer, self.dht):  # the DHT last: its shutdown also stops the p2pd child process
+            if part is None:
+                continue
+            try:
+                part.shutdown()
+            except Exception as e:
+                logger.warning(f"Shutting down {type(part).__name__} failed: {e!r}")

@@ -1,0 +1,65 @@
+"""Who is in the swarm: every node announces itself in the DHT, idle or not (hivemind's progress records list
+only the peers that are accumulating samples)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+import hivemind
+from hivemind.utils import get_dht_time
+
+from dtrain.node.swarm import records as dht_records
+
+ANNOUNCE_EVERY_S = 3.0  # how often a node refreshes its record
+TRAINING_RECENTLY_S = 30.0  # a node that reported samples this recently announces itself as training
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """What one node announced about itself."""
+
+    peer_id: str
+    step: int  # the step it serves
+    bridge_port: int  # its Training API port
+    maddrs: tuple[str, ...]  # some of its libp2p addresses
+    training: bool  # it reported samples to the swarm in the last TRAINING_RECENTLY_S
+    pending_samples: int  # samples it holds that no update applied yet
+    time: float  # DHT time of the announcement (seconds since the epoch)
+
+    @classmethod
+    def from_record(cls, peer_id: str, record: Mapping) -> "PeerInfo":
+        return cls(peer_id=peer_id, step=int(record.get("step", 0)), bridge_port=int(record.get("bridge_port", 0)),
+                   maddrs=tuple(str(m) for m in record.get("maddrs", ())), training=bool(record.get("training")),
+                   pending_samples=int(record.get("pending_samples", 0)), time=float(record.get("time", 0.0)))
+
+
+class Presence:
+    """This node's announcement and its view of the others (training thread only)."""
+
+    def __init__(self, dht: hivemind.DHT, run_id: str, peer_id: str, maddrs, bridge_port: int):
+        self._dht, self._key, self.peer_id = dht, f"dtrain_{run_id}_nodes", peer_id
+        self._maddrs, self._bridge_port = tuple(maddrs)[:4], bridge_port
+        self._last_announce = -ANNOUNCE_EVERY_S
+        self._last_samples_at = -TRAINING_RECENTLY_S  # when this node last reported samples to the swarm
+        self.nodes: dict[str, PeerInfo] = {}  # peer id -> its announcement, as of the last refresh
+
+    def reported_samples(self) -> None:
+        self._last_samples_at = time.monotonic()
+
+    def due(self) -> bool:
+        return time.monotonic() - self._last_announce >= ANNOUNCE_EVERY_S
+
+    def refresh(self, step: int, pending_samples: int) -> dict[str, PeerInfo]:
+        """Announce this node and read everyone's announcements."""
+        self._last_announce = time.monotonic()
+        training = time.monotonic() - self._last_samples_at < TRAINING_RECENTLY_S
+        record = dict(step=step, bridge_port=self._bridge_port, maddrs=list(self._maddrs), training=training,
+                      pending_samples=pending_samples, time=get_dht_time())
+        dht_records.store(self._dht, self._key, self.peer_id, record)
+        self.nodes = {peer: PeerInfo.from_record(peer, r) for peer, r in dht_records.read(self._dht, self._key).items()}
+        return self.nodes
+
+    def alone(self) -> bool:
+        """No other node announced itself recently."""
+        return all(peer == self.peer_id for peer in self.nodes)

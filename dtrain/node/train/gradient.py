@@ -1,0 +1,123 @@
+"""The gradient this node gathered that no update of the swarm has applied yet (training thread only).
+
+Bridge hand-overs and the node's own batches add `sum(samples_i * g_i)` here. Before each hivemind
+`Optimizer.step` call the node writes what makes hivemind's accumulator exact into `.grad` (`write_grads`).
+When an update of the swarm applied this gradient it is `settle`d; when it did not (a failed or timed-out
+round, an update made without this peer, a catch-up download, a peer that was behind) it simply stays and goes
+into the next update as a late contribution. It is never zeroed by anything but an update that applied it, so
+nothing accepted is lost and nothing is applied twice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from dtrain.node.contribution import Contribution, add_sections
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What one update applied of this node's gradient."""
+
+    samples: int
+    packets: int  # bridge packets among them
+    local_samples: int  # samples of the node's own data
+    mean_loss: float  # samples-weighted mean training loss (the API's loss history entry)
+
+
+@dataclass(frozen=True)
+class GradientCounters:
+    pending_samples: int  # gathered, not applied yet
+    pending_packets: int
+    applied_samples: int  # applied by updates of the swarm, since start
+    applied_packets: int
+    carried_samples: int  # samples that missed at least one update and were carried into a later one
+    carried_packets: int
+
+
+class PendingGradient:
+    def __init__(self, tensor_elements: Sequence[int]):
+        self.sums = [torch.zeros(int(n)) for n in tensor_elements]  # per tensor: sum(samples * grad), flat
+        self.samples = 0
+        self.packets = 0
+        self.local_samples = 0  # samples of the node's own data (for --local-samples-per-update)
+        self.loss_sum = 0.0  # sum(samples * loss)
+        self._carried_samples = self._carried_packets = 0  # of the pending ones: already missed an update
+        self.applied_samples = self.applied_packets = 0
+        self.carried_samples = self.carried_packets = 0
+
+    def add(self, sums: Sequence, samples: int, loss_sum: float, packets: int = 0, local: bool = False) -> None:
+        for acc, part in zip(self.sums, sums):
+            acc.add_(torch.as_tensor(part).reshape(-1))
+        self._count(samples, loss_sum, packets, local)
+
+    def add_parts(self, parts: Iterable[tuple[int, Optional[np.ndarray], np.ndarray]], samples: int, loss_sum: float,
+                  packets: int = 0) -> None:
+        """Add a sparse aggregate (`robust.Aggregate.parts`): per tensor its touched elements (unique; None: all of
+        them) and their values. Costs what the parts hold: untouched elements are not read."""
+        for tid, coords, values in parts:
+            acc = self.sums[tid].numpy()  # the same memory
+            if coords is None:
+                acc += values
+            else:
+                acc[coords] += values
+        self._count(samples, loss_sum, packets)
+
+    def _count(self, samples: int, loss_sum: float, packets: int, local: bool = False) -> None:
+        self.samples += samples
+        self.packets += packets
+        self.loss_sum += loss_sum
+        if local:
+            self.local_samples += samples
+
+    def add_contributions(self, contributions: Iterable[Contribution]) -> None:
+        """Add each contribution weighted by its samples (validated by the bridge; sparse ones stay sparse)."""
+        views = [acc.numpy() for acc in self.sums]  # the same memory
+        for c in contributions:
+            add_sections(views, c.sections, float(c.samples))
+            self.samples += c.samples
+            self.packets += 1
+            self.loss_sum += c.samples * c.loss
+
+    def mean(self) -> list[torch.Tensor]:
+        """The samples-weighted mean gradient (zeros when empty): this peer's update when it averages alone."""
+        return [acc / max(self.samples, 1) for acc in self.sums]
+
+    def write_grads(self, params: Sequence[torch.nn.Parameter], calls: int) -> None:
+        """Write `sum * calls / samples` into the .grad buffers hivemind accumulates in.
+
+        hivemind divides its .grad buffers by the number of step() calls of the epoch (`calls`, this one included)
+        when it averages, and weighs this peer by the samples reported to it, so the swarm averages exactly
+        `sum_i(S_i g_i) / sum_i(S_i)`.
+        """
+        scale = calls / max(self.samples, 1)
+        with torch.no_grad():
+            for p, acc in zip(params, self.sums):
+                p.grad.copy_(acc.view_as(p)).mul_(scale)
+
+    def settle(self) -> Applied:
+        """An update of the swarm applied everything pending: count it and start empty."""
+        applied = Applied(self.samples, self.packets, self.local_samples, self.loss_sum / max(self.samples, 1))
+        self.applied_samples += self.samples
+        self.applied_packets += self.packets
+        for acc in self.sums:
+            acc.zero_()
+        self.samples = self.packets = self.local_samples = 0
+        self.loss_sum = 0.0
+        self._carried_samples = self._carried_packets = 0
+        return applied
+
+    def carry(self) -> None:
+        """An update of the swarm went by without this gradient: it goes into the next one, counted once."""
+        self.carried_samples += self.samples - self._carried_samples
+        self.carried_packets += self.packets - self._carried_packets
+        self._carried_samples, self._carried_packets = self.samples, self.packets
+        self.local_samples = 0  # the node's own data: a new allowance for the next update
+
+    def counters(self) -> GradientCounters:
+        return GradientCounters(self.samples, self.packets, self.applied_samples, self.applied_packets,
+                                self.carried_samples, self.carried_packets)
+

@@ -1,0 +1,466 @@
+"""The node's training loop and the thread-safe interface the bridge calls.
+
+Every call into hivemind happens on one thread owned by `TrainingNode`, which composes:
+- `ContributionPool` (node.pool): contributions accepted from the bridge, in groups of `min_nodes_for_update`;
+- `PendingGradient` (node.gradient): what this node gathered that no update applied yet, carried until one does;
+- `Swarm` (node.swarm): the DHT and hivemind.Optimizer; `Presence` (node.presence): who is in the swarm;
+- `Agreement` (node.agreement): which bytes every peer serves after an update, and whose gradients are in them.
+
+Other threads only call `submit(contribution)`, `snapshot()`, `losses()` and `status()`.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+from hivemind.utils.logging import get_logger
+
+from dtrain.node import checkpoint as ckpt
+from dtrain.node.swarm.agreement import Agreement, Download
+from dtrain.node.config import ModelConfig, NodeConfig, TrainConfig
+from dtrain.node.contribution import Contribution
+from dtrain.node.data import TokenDataset
+from dtrain.node.train.gradient import PendingGradient
+from dtrain.node.train.ledger import ContributorLedger
+from dtrain.node.model import TensorInfo, build_model, tensor_infos
+from dtrain.node.train.pool import ContributionPool
+from dtrain.node.swarm.presence import ANNOUNCE_EVERY_S, PeerInfo, Presence
+from dtrain.node.train.robust import RobustAggregator, RobustConfig, all_finite, optimizer_state_tensors
+from dtrain.node.snapshot import Snapshot, make_snapshot, params_digest
+from dtrain.node.swarm.optimizer import SHUTDOWN_TIMEOUT_S, Swarm, make_local_optimizer
+
+logger = get_logger(__name__)
+
+POLL_S = 0.25  # how long an idle training thread sleeps unless a hand-over wakes it
+
+
+class NodeStopped(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """One consistent look at the node, for `/api/v1/swarm/status` and the dashboard."""
+
+    step: int
+    updates: int
+    params_sha256: str
+    peer_id: str
+    maddrs: tuple[str, ...]
+    peers: int  # nodes in the swarm, idle or not
+    training_peers: int  # peers accumulating samples, as hivemind's progress records show
+    nodes: tuple[PeerInfo, ...]
+    contributors: int  # distinct contributors ever accepted by this node
+    pending_contributors: int  # in the group being gathered toward min_nodes_for_update
+    accepted_packets: int
+    accepted_samples: int
+    applied_packets: int  # of the accepted ones, applied by an update of the swarm
+    applied_samples: int  # includes the node's own data
+    carried_packets: int  # missed at least one update and went into a later one
+    carried_samples: int
+    pending_samples: int  # handed to the training thread, not applied yet
+    last_update_s: float  # how long the last update took (0 before the first)
+
+
+class TrainingNode:
+    """One node of the swarm: owns the model and the training thread."""
+
+    def __init__(self, config: NodeConfig, model_config: ModelConfig, train_config: TrainConfig,
+                 dataset: Optional[TokenDataset] = None, ledger: Optional[ContributorLedger] = None):
+        self.config, self.model_config, self.train_config = config, model_config, train_config
+        self.dataset = dataset
+        self.model = build_model(model_config)
+        self.tensors: tuple[TensorInfo, ...] = tensor_infos(self.model)
+        self.total_params = sum(t.elements for t in self.tensors)
+        self.pool = ContributionPool(train_config.min_nodes_for_update, lambda: self.step, config.max_pending_bytes)
+        self.gradient = PendingGradient([t.elements for t in self.tensors])
+        robust = RobustConfig(method=config.aggregation, norm_bound=config.norm_bound,
+                              max_samples=config.max_samples_per_packet, min_cosine=config.min_cosine)
+        self.aggregator = RobustAggregator(robust, [t.elements for t in self.tensors])
+        self.ledger = ledger if ledger is not None else ContributorLedger()
+        self.swarm: Optional[Swarm] = None
+        self.presence: Optional[Presence] = None
+        self.agreement: Optional[Agreement] = None
+
+        self._lock = threading.Lock()  # guards _losses
+        self._losses: list[float] = []
+        self._snapshot: Optional[Snapshot] = None
+        self._snapshot_listeners: list[Callable[[Snapshot], None]] = []
+        self._update_listeners: list[Callable[[float], None]] = []
+        self._last_update_s = 0.0
+        self._last_checkpoint_epoch = 0
+        self._unverified = False  # the model holds downloaded bytes the swarm disagrees with: catch up, never serve
+        self._stop = threading.Event()
+        self._wake = threading.Event()  # set by the pool when a hand-over is ready
+        self.pool.on_ready(self._wake.set)
+        self._rng = np.random.default_rng()
+        self._thread = threading.Thread(target=self._run, name="dtrain-training", daemon=True)
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Join (or start) the swarm and catch up, then start the training thread; returns once it may serve.
+
+        Call it from the main thread: hivemind's averagers install signal handlers when they are created.
+        """
+        try:
+            self._join()
+        except BaseException:
+            if self.swarm is not None:
+                self.swarm.shutdown()
+            raise
+        self._thread.start()
+
+    def stop(self, grace_s: float = 3.0) -> None:
+        """Stop training; the thread saves a checkpoint and leaves the swarm.
+
+        An all-reduce in flight can take up to averaging_timeout; past `grace_s` the swarm connection is shut
+        down under it (the checkpoint from the last completed interval stands) so the process exits promptly.
+        """
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(grace_s)
+        if self._thread.is_alive() and self.swarm is not None:
+            logger.warning("An update is still in flight; leaving the swarm without waiting for it")
+            self.swarm.shutdown(timeout_s=SHUTDOWN_TIMEOUT_S)
+            self._thread.join(2.0)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def add_update_listener(self, callback: Callable[[float], None]) -> None:
+        """Called on the training thread with the seconds each update of this node took, until it served it."""
+        self._update_listeners.append(callback)
+
+    def add_snapshot_listener(self, callback: Callable[[Snapshot], None]) -> None:
+        """Called on the training thread after every new snapshot (split inference reloads its weights)."""
+        self._snapshot_listeners.append(callback)
+
+    # ---- interface for other threads -----------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        return self.snapshot().step
+
+    @property
+    def maddrs(self) -> list[str]:
+        return list(self.swarm.maddrs) if self.swarm else []
+
+    @property
+    def peer_id(self) -> str:
+        return self.swarm.peer_id if self.swarm else ""
+
+    def snapshot(self) -> Snapshot:
+        snap = self._snapshot
+        if snap is None:
+            raise NodeStopped("node has not started")
+        return snap
+
+    def submit(self, contribution: Contribution) -> int:
+        """Accept one validated contribution for its step; returns the server step.
+
+        Raises StepMismatch (nothing applied) when its step is outside [step - 5, step].
+        """
+        return self.pool.add(contribution)
+
+    def losses(self) -> list[float]:
+        with self._lock:
+            return list(self._losses)
+
+    def status(self) -> NodeStatus:
+        snap = self.snapshot()
+        pool, grad = self.pool.counters(), self.gradient.counters()
+        nodes = dict(self.presence.nodes) if self.presence else {}
+        training = self.swarm.optimizer.tracker.global_progress.num_peers if self.swarm else 1
+        return NodeStatus(
+            step=snap.step, updates=snap.updates, params_sha256=snap.digest, peer_id=self.peer_id,
+            maddrs=tuple(self.maddrs), peers=max(training, len(nodes), 1), training_peers=max(training, 1),
+            nodes=tuple(nodes[p] for p in sorted(nodes)), contributors=pool.contributors,
+            pending_contributors=pool.pending_contributors, accepted_packets=pool.accepted_packets,
+            accepted_samples=pool.accepted_samples, applied_packets=grad.applied_packets,
+            applied_samples=grad.applied_samples, carried_packets=grad.carried_packets,
+            carried_samples=grad.carried_samples, pending_samples=grad.pending_samples,
+            last_update_s=self._last_update_s,
+        )
+
+    # ---- joining -------------------------------------------------------------------------------------------
+
+    def _join(self) -> None:
+        cfg = self.config
+        restored = ckpt.load(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+        seed_digest = params_digest(self.model)  # epoch 0's only state, checkpoint or not
+        local_opt = make_local_optimizer(self.model, self.train_config)
+        if restored is not None:
+            # restore before hivemind wraps the optimizer: its averagers keep references to these tensors
+            self.model.load_state_dict(restored.model_state)
+            local_opt.load_state_dict(restored.optimizer_state)
+            self._losses = list(restored.losses)
+            logger.info(f"Restored checkpoint: epoch {restored.epoch}, {len(restored.losses)} losses")
+
+        self.swarm = swarm = Swarm(cfg.swarm, local_opt, local_gradients=self.gradient.mean)
+        opt = swarm.optimizer
+        if restored is not None:
+            opt.state_averager.local_epoch = restored.epoch
+            opt.tracker.report_local_progress(restored.epoch, 0)
+        self.presence = Presence(swarm.dht, cfg.swarm.run_id, swarm.peer_id, swarm.maddrs, cfg.port)
+        opt.tracker.others_present = lambda: not self.presence.alone()
+        self.agreement = Agreement(swarm.dht, opt, self.model, cfg.swarm, self._stop, seed_digest)
+        self._rng = np.random.default_rng(int.from_bytes(swarm.peer_id.encode()[-8:], "little"))
+
+        checked = restored is not None  # bytes this node may vouch for: a checkpoint, or a checked download
+        if cfg.swarm.initial_peers:
+            swarm.wait_for_progress(timeout_s=10.0)
+            behind = self.agreement.saw(opt.tracker.global_epoch) > opt.local_epoch
+            if restored is None or behind or not self._swarm_serves_my_bytes():
+                checked = self._join_download(cfg.swarm.load_state_timeout_s) is Download.CHECKED
+        snap = make_snapshot(self.model, opt.local_epoch)
+        if checked and snap.updates > 0:
+            self.agreement.vouch(snap)
+        self._publish(snap)
+        self._last_checkpoint_epoch = opt.local_epoch
+        if any(peer != swarm.peer_id for peer in self.presence.refresh(snap.step, 0)):
+            # ready once every node has read this one's announcement: until then a node that takes a packet
+            # believes it is alone and updates at once, and this node, behind, has to catch up before its first
+            # update can join the swarm's
+            self._stop.wait(ANNOUNCE_EVERY_S + 0.5)
+        logger.info(f"Node ready at step {snap.step} (epoch {snap.updates})")
+
+    def _join_download(self, timeout_s: float) -> Download:
+        """A joiner serves nothing the swarm disagrees with: it downloads until the bytes agree (bounded)."""
+        deadline = time.monotonic() + timeout_s
+        while (result := self.agreement.load_state_from_peers()) is Download.REFUSED:
+            if self._stop.is_set() or time.monotonic() >= deadline:
+                raise RuntimeError(f"could not download a state that agrees with what the swarm's peers publish "
+                                   f"within {timeout_s:.0f}s; is the swarm training faster than this link?")
+        return result
+
+    def _swarm_serves_my_bytes(self) -> bool:
+        """A restored checkpoint of the swarm's current epoch: do the peers serve the same bytes?"""
+        epoch = self.swarm.epoch
+        records = self.agreement.records(epoch)
+        return not records or any(r.digest == params_digest(self.model) for r in records.values())
+
+    # ---- the training thread -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    worked = self._iteration()
+                except Exception as e:  # log and go on: one failed round must not stop the node
+                    logger.exception(f"Training round failed: {e!r}")
+                    worked = False
+                if not worked:
+                    self._wake.wait(POLL_S)
+                    self._wake.clear()
+        except BaseException as e:
+            logger.exception(f"Training thread failed: {e}")
+        finally:
+            self._save_checkpoint()
+            self.swarm.shutdown()
+            logger.info("Swarm connection closed")
+
+    def _alone(self) -> bool:
+        if self.presence.due():  # a node that joined since the last look must not be missed
+            self.presence.refresh(self.step, self.gradient.samples)
+        return self.presence.alone() and self.swarm.optimizer.tracker.global_progress.num_peers <= 1
+
+    def _iteration(self) -> bool:
+        worked = False
+        # Alone, every hand-over is one update (the spec's single server); in a swarm, all that is ready goes into
+        # the next update together.
+        while (hand_over := self.pool.take()) is not None:
+            self._add(hand_over.contributions)
+            del hand_over  # its packets' widened arrays (about 4x a Mode 2 packet) go before the update, not after
+            worked = True
+            if self._alone():
+                self._step()
+        if self.dataset is not None and self._wants_local_batch():
+            self._local_batch()
+            worked = True
+        # a peer behind the swarm takes its state first, so that its gradient joins the swarm's next round
+        self._catch_up()
+        if self.gradient.samples > 0:
+            self._step()  # lets hivemind schedule and run the update the swarm is gathering samples for
+        if self.presence.due():
+            self.presence.refresh(self.step, self.gradient.samples)
+            self.agreement.keep_alive()
+        epoch = self.swarm.epoch
+        if self.config.checkpoint_dir and epoch - self._last_checkpoint_epoch >= self.config.checkpoint_every:
+            self._save_checkpoint()
+            self._last_checkpoint_epoch = epoch
+        return worked
+
+    def _add(self, contributions) -> None:
+        """One hand-over, robustly aggregated (CenteredClip by default: the exact weighted mean unless someone is
+        far out), into the pending gradient; refused whole if it would still not be finite."""
+        result = self.aggregator.aggregate(contributions, self._momentum())
+        self.ledger.record_aggregate(result)
+        if not all_finite(values for _, _, values in result.parts):  # every other element is 0
+            ids = sorted({c.contributor for c in contributions})
+            logger.warning(f"Refused a hand-over whose aggregate is not finite; contributors {ids}")
+            self.ledger.refused_update(ids)
+            return
+        self.gradient.add_parts(result.parts, result.samples, result.loss_sum, packets=len(contributions))
+
+    def _momentum(self) -> Optional[list[np.ndarray]]:
+        """The Adam first moment (exp_avg) per tensor, flat: the reference of the direction check (None when it is
+        off). Views, not copies: the training thread, which alone steps the optimizer, is the one reading them."""
+        if self.aggregator.config.min_cosine is None:
+            return None
+        opt = self.swarm.optimizer.state_averager.optimizer
+        params = [p for group in opt.param_groups for p in group["params"]]
+        moments = [opt.state.get(p, {}).get("exp_avg") for p in params]
+        if len(moments) != len(self.tensors) or any(m is None or m.numel() != t.elements
+                                                    for m, t in zip(moments, self.tensors)):
+            return None
+        return [m.detach().reshape(-1).numpy() for m in moments]
+
+    def _wants_local_batch(self) -> bool:
+        limit = self.config.local_samples_per_update
+        return limit <= 0 or self.gradient.local_samples < limit
+
+    def _local_batch(self) -> None:
+        cfg = self.config
+        seq_len = min(cfg.local_seq_len, self.model_config.max_seq_len)
+        tokens = torch.from_numpy(self.dataset.batch(cfg.local_batch_size, seq_len, self._rng).astype(np.int64))
+        loss = self.model(input_ids=tokens, labels=tokens).loss
+        # autograd.grad, not backward(): the .grad buffers belong to hivemind (reuse_grad_buffers)
+        grads = torch.autograd.grad(loss, list(self.model.parameters()))
+        batch = tokens.shape[0]
+        self.gradient.add([g.detach() * batch for g in grads], batch, batch * loss.item(), local=True)
+
+    def _step(self) -> None:
+        """One hivemind Optimizer.step reporting the samples gathered since the last call."""
+        opt = self.swarm.optimizer
+        # a peer that served this epoch's bytes after we compared; always right before an update
+        self._recheck(force=opt.tracker.ready_to_update_epoch)
+        if self._unverified:
+            return  # no update on bytes the swarm disagrees with: _catch_up first
+        counted = opt.grad_averager  # hivemind's own counters: a download resets them without a new epoch
+        new_samples = max(self.gradient.samples - counted.local_samples_accumulated, 0)
+        self.gradient.write_grads(list(self.model.parameters()), counted.local_times_accumulated + 1)
+        epoch_before, round_before = opt.local_epoch, opt.last_round
+        before = self._snapshot
+        if new_samples:
+            self.presence.reported_samples()
+        started = time.monotonic()
+        opt.step(batch_size=new_samples)
+        if opt.local_epoch == epoch_before:
+            return
+        outcome = opt.last_round
+        if outcome is not round_before and outcome.epoch == opt.local_epoch:
+            self._refuse_non_finite(before)
+            self._after_update(outcome, time.monotonic() - started)
+            took_s = self._last_update_s = time.monotonic() - started  # served: the whole update, agreement included
+            for callback in self._update_listeners:
+                try:
+                    callback(took_s)
+                except Exception as e:
+                    logger.exception(f"update listener failed: {e}")
+        else:  # hivemind downloaded the swarm's state inside step() ("Peer is out of sync")
+            self._after_catch_up(self.agreement.check_download())
+
+    def _after_update(self, outcome, took_s: float) -> None:
+        snap = make_snapshot(self.model, outcome.epoch)
+        verdict = self.agreement.after_update(snap, outcome)
+        if verdict.included:
+            applied = self.gradient.settle()
+            with self._lock:
+                self._losses.append(applied.mean_loss)
+            totals, accepted = self.gradient.counters(), self.pool.counters().accepted_samples
+            logger.info(f"update {outcome.epoch}: {applied.samples} samples, loss {applied.mean_loss:.4f}; "
+                        f"{applied.packets} packets, {len(outcome.group)} peers, took {took_s:.1f}s "
+                        f"({applied.samples / max(took_s, 1e-9):.1f} samples/s); this node so far: accepted "
+                        f"{accepted}, applied {totals.applied_samples}, carried {totals.carried_samples} samples")
+        else:
+            self.gradient.carry()
+            logger.info(f"update {outcome.epoch} went without this node's gradient (peer {verdict.reference}'s "
+                        f"bytes); carrying {self.gradient.samples} samples into the next update")
+        if verdict.snapshot is None:
+            self._unverified = True  # keep serving the last step; _catch_up downloads again
+        else:
+            self._publish(verdict.snapshot)
+
+    def _refuse_non_finite(self, before: Snapshot) -> None:
+        """Never a non-finite model: an update that left a parameter or Adam moment non-finite (a peer's average,
+        since this node's own gradient was checked) is undone to the parameters served before it."""
+        opt = self.swarm.optimizer.state_averager.optimizer
+        if all_finite(list(self.model.parameters()) + optimizer_state_tensors(opt)):
+            return
+        logger.error(f"Update {self.swarm.epoch} left non-finite parameters or moments: keeping step {before.step}'s "
+                     f"parameters and zeroing the non-finite moments")
+        with torch.no_grad():
+            for p, saved in zip(self.model.parameters(), before.f32):
+                p.copy_(torch.from_numpy(np.array(saved)).view_as(p))
+            for t in optimizer_state_tensors(opt):
+                torch.nan_to_num_(t, nan=0.0, posinf=0.0, neginf=0.0)
+
+    def _catch_up(self) -> None:
+        opt = self.swarm.optimizer
+        if opt.tracker.global_epoch > opt.local_epoch:
+            # the swarm moved on without us: take its state (nothing pending is dropped)
+            logger.info(f"Behind the swarm (epoch {opt.local_epoch} < {opt.tracker.global_epoch}); loading state")
+        elif not self._unverified:
+            return
+        self._after_catch_up(self.agreement.load_state_from_peers())
+
+    def _after_catch_up(self, download: Download) -> None:
+        if self.gradient.samples:
+            self.gradient.carry()
+        if download is Download.REFUSED:
+            self._unverified = True
+            logger.warning(f"Serving step {self.step} until a download agrees with the swarm")
+            return
+        self._unverified = False
+        served = self.snapshot()
+        if self.swarm.epoch == served.updates and params_digest(self.model) == served.digest:
+            self._share_state()
+            return  # nothing new: no copy and FP16 conversion of the whole model
+        snap = make_snapshot(self.model, self.swarm.epoch)
+        if download is Download.CHECKED:
+            self.agreement.vouch(snap)
+        else:
+            logger.warning(f"Serving update {snap.updates} without a check against its peers' records")
+        self._publish(snap)
+
+    def _recheck(self, force: bool) -> None:
+        snap = self._snapshot
+        agreed = self.agreement.recheck(snap, force)
+        if agreed is None:
+            self._unverified = True
+        elif agreed is not snap:
+            self._publish(agreed)
+
+    def _share_state(self) -> None:
+        # the model's bytes are the ones this node serves: peers may download them (off while it loads a state)
+        self.swarm.optimizer.state_averager.allow_state_sharing = True
+
+    def _publish(self, snap: Snapshot) -> None:
+        self._snapshot = snap
+        self._share_state()
+        norm = float(np.sqrt(sum(np.dot(a.astype(np.float64), a) for a in snap.f32)))
+        logger.info(f"step {snap.step} params sha256 {snap.digest} l2 {norm:.12e}")
+        for callback in self._snapshot_listeners:
+            try:
+                callback(snap)
+            except Exception as e:
+                logger.exception(f"snapshot listener failed: {e}")
+
+    def _save_checkpoint(self) -> None:
+        if not self.config.checkpoint_dir or self.swarm is None or self.swarm.optimizer is None:
+            return
+        try:
+            ckpt.save(self.config.checkpoint_dir, ckpt.Checkpoint(
+                model_state={k: v.clone() for k, v in self.model.state_dict().items()},
+                optimizer_state=self.swarm.optimizer.state_averager.optimizer.state_dict(),
+                epoch=self.swarm.epoch,
+                losses=self.losses(),
+            ))
+        except Exception as e:
+            logger.exception(f"Checkpoint failed: {e}")
