@@ -6,6 +6,7 @@ STAMP := $(VENV)/.installed
 WEB := dtrain/static/vendor/.built
 SDISTS := build/sdists
 CHROMIUM := /usr/bin/chromium
+IPTABLES := /usr/sbin/iptables
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: setup node test test-fast bench corpus clean
@@ -30,12 +31,18 @@ $(CHROMIUM):
 	@echo "==> Debian's Chromium for the browser tests"
 	$(SUDO) apt-get install -y -q chromium || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium)
 
-setup: $(STAMP) $(WEB)
+# the netns tests put a host behind a NAT router (masquerade in a namespace of the test's own); without it (no
+# root, not Debian) they skip and say why, so a failed install does not stop the set-up
+$(IPTABLES):
+	@echo "==> Debian's iptables for the NAT tests"
+	-$(SUDO) apt-get install -y -q iptables || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q iptables)
+
+setup: $(STAMP) $(WEB) $(IPTABLES)
 
 node: $(STAMP) $(WEB)
 	$(BIN)/dtrain-node $(ARGS)
 
-test: $(STAMP) $(WEB) $(CHROMIUM)
+test: $(STAMP) $(WEB) $(CHROMIUM) $(IPTABLES)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # unit tests and HTTP conformance in-process: a minute or two
