@@ -112,7 +112,7 @@ def _convert(f: dataclasses.Field, value: Any) -> Any:
 
 
 def markdown_table() -> str:
-    """The README's configuration reference, one row per flag (`python -m dtrain.flags` prints it)."""
+    """docs/configuration.md's flag table, one row per flag (`python -m dtrain.flags` prints it)."""
     rows = ["| flag | default | meaning |", "|---|---|---|"]
     for _, cls, _ in SECTIONS:
         for f in flag_fields(cls):

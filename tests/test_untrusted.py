@@ -132,7 +132,7 @@ def attack_packets(attack: str, step: int, rng, support, truth, honest: list[lis
 
 # attack -> (the attacker's ledger outliers, rejected); every attacker has exactly one packet accepted
 EXPECTED = {
-    "sign_flip": (0, {}),  # an honest norm, as far from the mean as an honest packet: not told apart (README)
+    "sign_flip": (0, {}),  # an honest norm, as far from the mean as an honest packet: not told apart (docs/robustness.md)
     "scaled_x1000": (1, {}),  # norm-clipped
     "noise": (1, {}),  # norm-clipped
     "huge_samples": (0, {"samples_cap": 1}),  # the cap is its weight bound (max_weight_multiple is off)

@@ -92,7 +92,7 @@ def _openai_paths() -> dict:
     return {
         "/v1/completions": generation("Complete a prompt with the shared model at its current step (or a LoRA "
                                       "expert by name)", "CompletionRequest", "Completion"),
-        "/v1/chat/completions": generation("Answer a conversation (the chat template of README's OpenAI section)",
+        "/v1/chat/completions": generation("Answer a conversation (the chat template of docs/serving.md)",
                                            "ChatRequest", "ChatCompletion"),
         "/v1/models": {"get": _op("The models this node serves: the shared model, then its LoRA experts", tag, {
             200: _json("models", {"type": "object", "required": ["object", "data"], "properties": {

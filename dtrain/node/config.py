@@ -142,7 +142,7 @@ class NodeConfig:
     local_samples_per_update: int = option(0, "--local-samples-per-update",
                                            "own-data samples per update, then wait for the swarm (0: no cap)")
     log_level: str = option("INFO", "--log-level", "DEBUG, INFO, WARNING")
-    # untrusted contributors (README, "Contributors are strangers")
+    # untrusted contributors (docs/robustness.md)
     max_samples_per_packet: int = option(256, "--max-samples-per-packet",
                                          "samples one packet may claim; above it the packet is refused with 400")
     rate_limit_per_s: float = option(5.0, "--rate-limit", "packets per second per contributor (0: no limit); "

@@ -11,7 +11,7 @@ The commit step after the all-reduce makes a round all or nothing. Every member 
 all-reduce was complete (every part averaged over every member), then waits for the others' records. A member
 applies the average only when every member of the group said complete; otherwise the round is aborted on every
 member: each one makes its update with its own gradient, exactly as after a failed round, and the node's agreement
-then serves one of those updates and carries the others' gradients (README, "A step is served only once it is the
+then serves one of those updates and carries the others' gradients (docs/architecture.md, "A step is served only once it is the
 swarm's").
 
 Members decide on the same records, and the deadlines make them see the same records: a member says complete only

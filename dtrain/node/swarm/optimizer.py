@@ -62,7 +62,7 @@ def make_local_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.op
 
 
 class PacedTracker(ProgressTracker):
-    """hivemind's tracker with the swarm's own rule for when an update begins (README, "When the swarm updates").
+    """hivemind's tracker with the swarm's own rule for when an update begins (docs/architecture.md, "When the swarm updates").
 
     An update begins when the swarm moved to a later epoch, when the swarm's pending samples reach the target, or
     once they stopped growing for `settle_s`. Two of hivemind's rules are left out:
