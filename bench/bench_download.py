@@ -4,7 +4,7 @@ Starts a `dtrain-node` subprocess (GPT-2 small, 124M parameters, unless it is no
 --start-timeout seconds; then the default static/model_config.json model), downloads every tensor with
 GET /api/v1/model/tensor/{id}?format=f16, then serves the same bytes from a plain aiohttp static route
 in another subprocess (once as one file, once as one file per tensor) and downloads them with the same
-client. Prints a markdown table; the ceiling (issue #12) is the static route with one file per tensor. The node's
+client. Prints a markdown table; the ceiling the node is held to is the static route with one file per tensor. The node's
 peak memory (VmHWM, /usr/bin/time -v's maximum resident set size) is printed after the downloads.
 
     python bench/bench_download.py [--model-config configs/gpt2-small.json] [--repeats 3]

@@ -8,7 +8,7 @@ the table says which slice.
     python bench/bench_ingest.py [--density 0.01] [--dense-elements 10_000_000] [--repeats 5]
     python bench/bench_ingest.py --http [--repeats 5] [--burst 2] [--modes 123]
 
-``--http`` measures what issue #12 asks for instead: the same packets (Mode 3 on every transformer block) POSTed one
+``--http`` measures ingest against the socket instead: the same packets (Mode 3 on every transformer block) POSTed one
 after another to a real ``dtrain-node`` (GPT-2 small), next to a ceiling measured in the same run: an aiohttp server
 in another process that only reads the body and answers JSON. The two take turns, ``--burst`` packets each, and each
 turn starts once the other server is quiet: what a server does after its answers (the node refills its reserve of
@@ -150,7 +150,7 @@ def pick(ids, size_of, budget):
 
 
 STAGES = {  # --stages: what each small server does with a body, each adding one step of the node's request path
-    "ceiling": "request.read(), answer (the issue's ceiling)",
+    "ceiling": "request.read(), answer (the ceiling)",
     "keep": "request.read(), keep the body (as the node's pool keeps every packet in this run)",
     "body": "bridge.http.read_body into a bridge.bodybuf buffer (huge pages), keep it",
     "decode": "read_body, keep, and dgrd.decode where the node runs it (training_routes.where_ingested)",
@@ -416,7 +416,7 @@ def main():
         _, idx, vals = dgrd.topk_sections([g], args.density)[0]
         sparse.append((tid, idx, vals))
     dense_ids = pick(range(2, len(elements)), lambda t: elements[t], args.dense_elements)
-    if args.http:  # the issue's Mode 3 row: every transformer block, dense
+    if args.http:  # the Mode 3 row of --http: every transformer block, dense
         dense_ids = [t for t, (name, _) in enumerate(named) if ".h." in name]
     dense = [(tid, None, rng.standard_normal(elements[tid], dtype=np.float32) * np.float32(1e-2))
              for tid in dense_ids if "3" in args.modes]

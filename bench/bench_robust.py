@@ -1,4 +1,4 @@
-"""The price and the worth of robust aggregation (issue #9), in held-out loss.
+"""The price and the worth of robust aggregation, in held-out loss.
 
 In-process, no node: `--contributors` simulated browsers follow `clients/contribute.py`'s code path (compute,
 top-k 1% with error feedback in `Contributor.make_packet`, DGRD encode, then `dgrd.decode` as the bridge

@@ -1,4 +1,4 @@
-"""Robust aggregation: exact for honest hand-overs, order-free, and each attack of issue #9 bounded."""
+"""Robust aggregation: exact for honest hand-overs, order-free, and each attack docs/robustness.md lists bounded."""
 
 import numpy as np
 import pytest

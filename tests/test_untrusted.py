@@ -1,4 +1,4 @@
-"""Untrusted contributors against a real node over HTTP: every attack of issue #9 as real DGRD packets (finite
+"""Untrusted contributors against a real node over HTTP: every attack docs/robustness.md lists as real DGRD packets (finite
 parameters, movement within one AdamW step's exact bound, the ledger's counts), the samples cap, rate limits and
 contributor tokens. One closed node (contributor tokens, a low rate limit) serves the whole module; every test
 uses node_ids of its own, so the per-node_id rate limit only meets the test that is about it."""

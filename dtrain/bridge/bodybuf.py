@@ -4,7 +4,7 @@ memory serves the next bodies once a body is gone.
 A packet body is written once, into memory the process has not touched before: the node's pool keeps accepted
 packets until the training thread takes them, so a body rarely lands in memory freed by an earlier one. Writing 4 MB
 of fresh 4 KiB pages costs ~1000 page faults; inside a node (a process of several GB with torch's and hivemind's
-threads) each cost about 10 us, so `bytearray(length)` took ~10 ms of a 14 ms Mode 2 request (py-spy, issue #12).
+threads) each cost about 10 us, so `bytearray(length)` took ~10 ms of a 14 ms Mode 2 request (py-spy).
 A private anonymous mapping with MADV_HUGEPAGE faults in 2 MiB at a time: two faults for a 4 MB packet.
 
 Fresh memory costs more than its faults on a VM that hands free memory back to its host (virtio-balloon free page

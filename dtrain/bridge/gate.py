@@ -1,4 +1,4 @@
-"""The bridge's checks before a packet reaches the node (issue #9): token, samples cap, rate limits.
+"""The bridge's checks before a packet reaches the node: token, samples cap, rate limits.
 
 Order in the submit route, cheapest and least trusting first, each answered before anything is applied:
 

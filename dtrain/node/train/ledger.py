@@ -1,4 +1,4 @@
-"""Who contributed what: a per-`node_id` ledger of packets and samples (issue #9).
+"""Who contributed what: a per-`node_id` ledger of packets and samples.
 
 `node_id`s are chosen by whoever sends a packet, so the ledger keeps at most `max_contributors` of them and
 forgets the least recently seen first: memory stays bounded whatever ids arrive. Records come out as frozen

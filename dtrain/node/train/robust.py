@@ -1,4 +1,4 @@
-"""Robust aggregation of the browser contributions of one hand-over (issue #9).
+"""Robust aggregation of the browser contributions of one hand-over.
 
 One hand-over's `Contribution`s go in; out comes what the node's bookkeeping already expects, the flat
 float32 `sum(w_i * g_i)` per tensor, the total weight and the weighted loss sum, so `sums / samples` stays
@@ -124,7 +124,7 @@ class RobustConfig:
 
     @classmethod
     def plain(cls) -> "RobustConfig":
-        """No defence at all: the plain samples-weighted mean (what the node did before issue #9)."""
+        """No defence at all: the plain samples-weighted mean (the spec's single server, unguarded)."""
         return cls(method="mean", clip_multiple=0.0, warmup_norm_bound=None, max_weight_multiple=0.0,
                    max_loss=float(np.finfo(np.float32).max))
 
