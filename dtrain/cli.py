@@ -1,5 +1,5 @@
 """`dtrain-node`: the composition root. Parse flags into a NodeConfig, build the node's pieces (training node,
-split service, tokenizer, dataset) and hand them to the bridge. `node/` imports nothing of the bridge; the bridge
+split service, tokenizer, dataset) and hand them to the bridge (`build`), then serve it until a signal (`run`). `node/` imports nothing of the bridge; the bridge
 constructs no node service."""
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import logging
 import os
 import signal
 import sys
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from aiohttp import web
 from hivemind.utils.logging import get_logger, use_hivemind_log_handler
@@ -17,6 +18,10 @@ from hivemind.utils.logging import get_logger, use_hivemind_log_handler
 from dtrain.bridge.app import create_app
 from dtrain.flags import parse_config
 from dtrain.node.config import ConfigError, ModelConfig, NodeConfig, TrainConfig
+
+if TYPE_CHECKING:
+    from dtrain.node.serve.service import ServeService
+    from dtrain.node.train.trainer import TrainingNode
 
 logger = get_logger(__name__)
 
@@ -30,11 +35,28 @@ def _print_join_hint(maddrs: Sequence[str]) -> None:
     print(f"  dtrain-node --initial-peers {' '.join(shown)}\n", flush=True)
 
 
-async def _serve(config: NodeConfig) -> None:
+@dataclass
+class Built:
+    """A node and its bridge app, built and joined to the swarm but not listening yet."""
+
+    node: "TrainingNode"
+    app: web.Application
+    serve: "ServeService"
+
+    def close(self) -> None:
+        """Stop serving and training, then leave the swarm (the app's runner is its owner's to clean up first)."""
+        self.serve.close()
+        self.node.stop()
+
+
+def build(config: NodeConfig) -> Built:
+    """Build everything `dtrain-node` runs from a config: the training node (started: it joins the swarm, so call
+    this on the main thread), the split and serving services, the tokenizer and the dataset, and the bridge's app.
+    Nothing listens yet; the caller runs the app (`_serve` on `config.port`, tests on a port of their own)."""
     from dtrain.node.assets import tokenizer_files
     from dtrain.node.corpus import load_corpus
-    from dtrain.node.serve.service import for_node as serve_for_node
     from dtrain.node.data import TokenDataset
+    from dtrain.node.serve.service import for_node as serve_for_node
     from dtrain.node.split.service import for_node
     from dtrain.node.tokenizer import load_tokenizer
     from dtrain.node.train.trainer import TrainingNode
@@ -47,25 +69,34 @@ async def _serve(config: NodeConfig) -> None:
     tokens = tokenizer_files(config.static_dir)
     tokenizer = load_tokenizer(tokens)
     dataset = TokenDataset.from_text_file(config.train_data, tokenizer) if config.train_data else None
-    # contributors get batches of the node's own text, else of the corpus set-up built: never trained on here, so
+    # contributors get batches of the node's own text, else of the packaged corpus: never trained on here, so
     # a node alone still makes one update per min_nodes_for_update contributors
     served = (dataset if dataset is not None else load_corpus()) if config.serve_data else None
 
     node = TrainingNode(config, model_config, train_config, dataset)
     logger.info(f"Model {model_config.name}: {node.total_params:,} parameters; joining the swarm")
     node.start()  # on the main thread: hivemind's averagers install signal handlers
-    split = for_node(node, config.split, tokenizer)
-    # /v1 serves the shared model, and the hosted LoRA experts when they fit it (not a --split-model's)
-    experts = split.experts if not config.split.split_model else None
-    serve = serve_for_node(node, config.serve, tokenizer, experts=experts)
+    try:
+        split = for_node(node, config.split, tokenizer)
+        # /v1 serves the shared model, and the hosted LoRA experts when they fit it (not a --split-model's)
+        experts = split.experts if not config.split.split_model else None
+        serve = serve_for_node(node, config.serve, tokenizer, experts=experts)
+    except BaseException:
+        node.stop()
+        raise
+    app = create_app(node, config, split=split, tokenizer=tokenizer, dataset=served, serve=serve,
+                     tokenizer_files=tokens)
+    return Built(node=node, app=app, serve=serve)
 
+
+async def _serve(config: NodeConfig) -> None:
+    built = build(config)
+    node = built.node
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    app = create_app(node, config, split=split, tokenizer=tokenizer, dataset=served, serve=serve,
-                     tokenizer_files=tokens)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(built.app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     _print_join_hint(node.maddrs)
@@ -77,7 +108,7 @@ async def _serve(config: NodeConfig) -> None:
         watcher.cancel()
         logger.info("Shutting down")
         await runner.cleanup()
-        await loop.run_in_executor(None, serve.close)
+        await loop.run_in_executor(None, built.serve.close)
         await loop.run_in_executor(None, node.stop)
         logger.info("Stopped")
 

@@ -16,6 +16,8 @@ from dtrain.node.snapshot import make_snapshot, params_digest
 from dtrain.node.swarm.optimizer import RoundOutcome
 from tests.nodeproc import TINY_CONFIG, new_run_id
 
+pytestmark = pytest.mark.swarm
+
 EPOCH = 1  # the update both peers have just applied
 
 

@@ -13,6 +13,8 @@ from dtrain.bridge import dgrd
 from dtrain.bridge.bodybuf import HUGE_PAGE_BYTES, MIN_HUGE_BODY_BYTES, BodyArena, body_buffer, mapping_bytes
 from tests.nodeproc import wait_until
 
+pytestmark = pytest.mark.unit
+
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 

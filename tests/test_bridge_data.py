@@ -16,7 +16,7 @@ from tests.nodeproc import TINY_CONFIG
 from tests.test_bridge_http import (_start, assert_error, assert_plain_response, current_step, request, small_packet,
                                     submit, wait_step)
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.http, pytest.mark.timeout(240)]
 
 
 

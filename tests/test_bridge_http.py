@@ -1,6 +1,7 @@
 """Training API v1 conformance over real HTTP: every endpoint, status code and header of the spec and NOTES.md.
 
-One real node serves the whole module: `node` (--no-data: no batches handed out; min_nodes_for_update 1, target
+One node, in this process (`tests.inproc`: a real hivemind peer alone in its swarm, its app on a real port), serves
+the whole module: `node` (--no-data: no batches handed out; min_nodes_for_update 1, target
 batch 1: each accepted packet is one update). Nodes that hand out batches are in test_bridge_data.py.
 """
 from __future__ import annotations
@@ -19,9 +20,10 @@ from dtrain.bridge.training_routes import INLINE_INGEST_BYTES
 from dtrain.node.assets import gpt2_tokenizer_files
 from dtrain.node.config import ModelConfig
 from dtrain.node.model import build_model
-from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, wait_until
+from tests.inproc import InProcessNode
+from tests.nodeproc import TINY_CONFIG, new_run_id, wait_until
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.http, pytest.mark.timeout(240)]
 
 TRAIN_CONFIG = {"learning_rate": 0.001, "beta1": 0.9, "beta2": 0.99, "eps": 1e-07, "weight_decay": 0.05,
                 "min_nodes_for_update": 1}
@@ -33,14 +35,8 @@ CORS_ORIGIN = ("Access-Control-Allow-Origin", "*")
 # fixtures and helpers
 
 
-def _start(name: str, args) -> NodeProcess:
-    node = NodeProcess(name, args, new_run_id())
-    try:
-        node.wait_ready()
-    except BaseException:
-        node.kill()
-        raise
-    return node
+def _start(name: str, args) -> InProcessNode:
+    return InProcessNode(name, args, new_run_id())
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +74,7 @@ class Answer:
         return json.loads(self.body)
 
 
-def request(node: NodeProcess, method: str, path: str, body=None, headers=None) -> Answer:
+def request(node, method: str, path: str, body=None, headers=None) -> Answer:
     conn = http.client.HTTPConnection("127.0.0.1", node.port, timeout=30)
     try:
         conn.request(method, path, body=body, headers=headers or {})
@@ -88,7 +84,7 @@ def request(node: NodeProcess, method: str, path: str, body=None, headers=None) 
         conn.close()
 
 
-def submit(node: NodeProcess, packet: bytes) -> Answer:
+def submit(node, packet: bytes) -> Answer:
     return request(node, "POST", SUBMIT, packet, {"Content-Type": "application/octet-stream"})
 
 

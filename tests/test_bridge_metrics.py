@@ -15,7 +15,7 @@ from tests.nodeproc import TINY_CONFIG, wait_until
 from tests.test_bridge_http import (SUBMIT, _headers_only, _start, assert_plain_response, current_step,
                                     request, small_packet, submit, wait_step)
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.http, pytest.mark.timeout(240)]
 
 FAMILIES = {
     "dtrain_step": "gauge", "dtrain_updates": "counter", "dtrain_peers": "gauge", "dtrain_contributors": "gauge",

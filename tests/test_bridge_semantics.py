@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from dtrain.bridge import dgrd
-from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, wait_until
+from tests.inproc import InProcessNode
+from tests.nodeproc import TINY_CONFIG, new_run_id, wait_until
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.http, pytest.mark.timeout(240)]
 
 TRAIN_CONFIG = {"learning_rate": 0.002, "beta1": 0.8, "beta2": 0.95, "eps": 1e-06, "weight_decay": 0.1,
                 "min_nodes_for_update": 2}
@@ -29,7 +30,7 @@ SETTLE_S = 1.0  # how long a test lets a node that must not update show that it 
 def node(tmp_path_factory):
     config = tmp_path_factory.mktemp("semantics") / "train.json"
     config.write_text(json.dumps(TRAIN_CONFIG))
-    proc = NodeProcess("semantics", ["--model-config", str(TINY_CONFIG), "--target-batch-size", "1",
+    proc = InProcessNode("semantics", ["--model-config", str(TINY_CONFIG), "--target-batch-size", "1",
                                      "--train-config", str(config)], new_run_id())
     try:
         proc.wait_ready()

@@ -24,6 +24,8 @@ from tests.test_dgrd_js import CASES
 from tests.test_tokenizer_js import STRESS_TEXT
 from tests.texts import shakespeare
 
+pytestmark = pytest.mark.browser
+
 playwright_sync = pytest.importorskip("playwright.sync_api")
 
 # a Float32Array's bytes as base64 (how gradients come back to Python)

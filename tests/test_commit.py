@@ -21,6 +21,8 @@ from hivemind.optim.grad_averager import GradientAverager
 from dtrain.node.swarm.commit import AbortedRound, CommittingGradientAverager
 from tests.nodeproc import new_run_id
 
+pytestmark = pytest.mark.swarm
+
 MEMBERS = 3
 ELEMENTS = 4_000_000  # 16 MB per member: the all-reduce lasts long enough on 127.0.0.1 to be stopped inside it
 OPTS = dict(min_matchmaking_time=1.5, allreduce_timeout=12.0, next_chunk_timeout=3.0, request_timeout=1.0,

@@ -9,6 +9,8 @@ from dtrain.node.config import ConfigError, ModelConfig, SwarmConfig, TrainConfi
 from dtrain.node.model import build_model, embedding_tensor_id, tensor_infos
 from tests.nodeproc import REPO, TINY_CONFIG
 
+pytestmark = pytest.mark.unit
+
 
 def test_static_configs_load():
     model = ModelConfig.load(REPO / "dtrain" / "static" / "model_config.json")
@@ -92,3 +94,17 @@ def test_serving_flags_reach_their_fields_and_are_checked():
         parse_config(["--feedback-train", "--no-capture"])
     with pytest.raises(ConfigError, match="max_n"):
         parse_config(["--serve-max-batch", "2", "--serve-max-n", "3"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--feedback-lora", "a b"], "adapter name"),
+    (["--feedback-lora", "_x"], "adapter name"),
+    (["--feedback-lora", "x" * 65], "adapter name"),
+    (["--feedback-lora", "x", "--feedback-train"], "choose one"),
+    (["--feedback-lora", "x", "--no-capture"], "--no-capture"),
+    (["--feedback-lora", "x", "--feedback-lora-rank", "0"], "feedback_lora_rank"),
+    (["--feedback-lora", "x", "--feedback-lora-lr", "0"], "feedback_lora_lr"),
+])
+def test_bad_adapter_options_are_config_errors(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(argv)

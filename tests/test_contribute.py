@@ -17,9 +17,10 @@ import pytest
 from dtrain.bridge import dgrd
 from dtrain.clients.contribute import ContributeConfig, Contributor, main
 from tests.texts import shakespeare
-from tests.nodeproc import REPO, TINY_CONFIG, NodeProcess, new_run_id, wait_until
+from tests.inproc import InProcessNode
+from tests.nodeproc import REPO, TINY_CONFIG, new_run_id, wait_until
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.http, pytest.mark.timeout(300)]
 
 MODES = ("sparse", "compressed", "dense")
 STEPS = 3
@@ -36,7 +37,7 @@ def files(tmp_path_factory):
 
 
 def _start(name, args):
-    proc = NodeProcess(name, args, new_run_id())
+    proc = InProcessNode(name, args, new_run_id())
     try:
         proc.wait_ready()
     except BaseException:

@@ -10,6 +10,8 @@ import pytest
 from dtrain.node import corpus
 from dtrain.node.tokenizer import load_tokenizer
 
+pytestmark = pytest.mark.unit
+
 PLAY = "ACT I.\n\nScene I. A heath.\n\nFirst Witch.\nWhen shall we three meet again?\n"
 
 

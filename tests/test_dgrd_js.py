@@ -11,6 +11,8 @@ import pytest
 
 from dtrain.bridge import dgrd
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "js" / "dgrd_parity.mjs"
 

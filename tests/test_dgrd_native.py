@@ -9,6 +9,8 @@ from hypothesis import given, settings, strategies as st
 
 from dtrain.bridge import dgrd, sparse_check
 
+pytestmark = pytest.mark.unit
+
 ELEMENTS = [4096, 10, 1000, 3]
 NATIVE = sparse_check.native  # bridge._dgrd_native, built by the install
 

@@ -9,7 +9,7 @@ import pytest
 
 from tests.nodeproc import REPO
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.http, pytest.mark.timeout(120)]
 
 
 def _flywheel():

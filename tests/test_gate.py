@@ -17,6 +17,8 @@ from dtrain.bridge.gate import Gate, GateConfig, GateConfigError, GateError, Tok
 from dtrain.bridge.http import ApiError, install, read_body
 from dtrain.node.train.ledger import ContributorLedger
 
+pytestmark = pytest.mark.unit
+
 ELEMENTS = [16, 4]
 APPLIED = web.AppKey("applied", list)
 GATE = web.AppKey("gate", Gate)

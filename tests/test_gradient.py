@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from dtrain.node.contribution import Contribution, Section
 from dtrain.node.train.gradient import PendingGradient
+
+pytestmark = pytest.mark.unit
 
 ELEMENTS = (6, 4)
 

@@ -9,6 +9,8 @@ from dtrain.node.train import robust
 from dtrain.node.contribution import Contribution, Section
 from dtrain.node.train.ledger import ContributorLedger, RejectReason
 
+pytestmark = pytest.mark.unit
+
 
 class Clock:
     """A clock the test advances by hand: last-seen times become exact."""

@@ -27,7 +27,7 @@ from dtrain.node.tokenizer import load_tokenizer
 from dtrain.node.train.trainer import TrainingNode
 from tests.nodeproc import TINY_CONFIG, new_run_id, wait_until
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.http, pytest.mark.timeout(180)]
 
 MODEL = json.loads(TINY_CONFIG.read_text())["name"]
 EXPERT = "banking"  # a LoRA expert the node hosts, served by name

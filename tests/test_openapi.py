@@ -26,7 +26,7 @@ from tests.nodeproc import REPO, TINY_CONFIG, wait_until
 from tests.test_bridge_http import Answer, _start, current_step, small_packet
 from tests.test_bridge_metrics import scrape
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.http, pytest.mark.timeout(300)]
 
 TINY = json.loads(TINY_CONFIG.read_text())
 TOKEN = "openapi-token"

@@ -13,6 +13,8 @@ from tests import browser
 from tests.nodeproc import REPO, TINY_CONFIG, NodeProcess, new_run_id, wait_until
 from tests.test_browser import _advance, page, playwright  # noqa: F401  (fixtures shared with the browser tests)
 
+pytestmark = pytest.mark.browser
+
 playwright_sync = pytest.importorskip("playwright.sync_api")
 
 PAGES = {"/": "dashboard", "/contribute": "contribute", "/chat": "chat"}

@@ -10,6 +10,8 @@ import pytest
 from dtrain.node.contribution import Contribution, Section
 from dtrain.node.train.pool import LATE_WINDOW_STEPS, ContributionPool, StepMismatch
 
+pytestmark = pytest.mark.unit
+
 
 def _contribution(contributor: str, step: int = 10, samples: int = 2, value: float = 1.0) -> Contribution:
     section = Section(0, np.array([1, 3], np.int64), np.array([value, -value], np.float32), unique=True)

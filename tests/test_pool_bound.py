@@ -13,6 +13,8 @@ from dtrain.node.train.pool import ContributionPool, PoolFull
 from tests.nodeproc import REPO, TINY_CONFIG
 from tests.test_bridge_http import _start, current_step, request, submit, wait_step
 
+pytestmark = pytest.mark.http
+
 TINY = json.loads(TINY_CONFIG.read_text())
 
 

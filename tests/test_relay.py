@@ -1,3 +1,4 @@
+"""dtrain-relay: bytes pass both ways unchanged through a real TCP relay, and its address arguments are checked."""
 import asyncio
 import os
 
@@ -6,6 +7,8 @@ import pytest
 from aiohttp import web
 
 from dtrain.clients.relay import RelayConfig, _host_port, start
+
+pytestmark = pytest.mark.unit
 
 PAYLOAD = os.urandom(3 * 1024 * 1024 + 17)  # larger than the relay's read buffer many times over
 

@@ -9,6 +9,8 @@ from dtrain.node.train import robust
 from dtrain.node.contribution import Contribution, Section, add_sections
 from dtrain.node.train.robust import Aggregate, NormTracker, RobustConfig, RobustConfigError
 
+pytestmark = pytest.mark.unit
+
 ELEMENTS = [300, 7, 64]
 SEEDS = st.integers(0, 2**32 - 1)
 

@@ -8,6 +8,8 @@ import pytest
 
 from dtrain.node.serve.capture import CaptureError, CaptureStore, Record
 
+pytestmark = pytest.mark.unit
+
 
 def _record(cid: str, choice: int = 0, step: int = 3) -> Record:
     return Record(id=cid, choice=choice, created=1.0, endpoint="text_completion", model="m", expert=None, step=step,

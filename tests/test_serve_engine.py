@@ -19,7 +19,7 @@ from dtrain.node.serve.weights import FixedWeights, ServedWeights
 from dtrain.node.tokenizer import load_tokenizer
 from tests.nodeproc import TINY_CONFIG
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 PROMPTS = ["To be, or not to be", "Hello", "The quick brown fox jumps over the lazy dog and", "1 2 3",
            "Once upon a time there", "A"]

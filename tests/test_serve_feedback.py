@@ -14,7 +14,7 @@ from dtrain.node.serve.weights import load_snapshot
 from dtrain.node.train.trainer import TrainingNode
 from tests.nodeproc import TINY_CONFIG, new_run_id, wait_until
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(180)]
 
 PROMPT, COMPLETION = (464, 2068, 7586), (21831, 18045, 625, 262)
 

@@ -9,6 +9,8 @@ from dtrain.node.serve import chat_template
 from dtrain.node.serve.text import TextStream
 from dtrain.node.tokenizer import load_tokenizer
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def tok():

@@ -9,7 +9,10 @@ from transformers import RepetitionPenaltyLogitsProcessor
 from dtrain.clients.split_client import SamplingConfig, SplitClient, apply_repetition_penalty, sample
 from dtrain.node.config import ModelConfig
 from dtrain.node.model import build_model
-from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id
+from tests.inproc import InProcessNode
+from tests.nodeproc import TINY_CONFIG, new_run_id
+
+pytestmark = pytest.mark.http
 
 PROMPT = [464, 2068, 7586, 21831, 18045, 625]
 
@@ -21,7 +24,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def node():
-    proc = NodeProcess("split", ["--model-config", str(TINY_CONFIG)], new_run_id())
+    proc = InProcessNode("split", ["--model-config", str(TINY_CONFIG)], new_run_id())
     try:
         proc.wait_ready()
         yield proc

@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 
 from dtrain.clients.split_client import SplitClient
-from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id
+from tests.inproc import InProcessNode
+from tests.nodeproc import TINY_CONFIG, new_run_id
+
+pytestmark = pytest.mark.http
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "js" / "split_greedy.mjs"
@@ -27,7 +30,7 @@ def _node() -> str:
 
 @pytest.fixture(scope="module")
 def node():
-    proc = NodeProcess("split-js", ["--model-config", str(TINY_CONFIG)], new_run_id())
+    proc = InProcessNode("split-js", ["--model-config", str(TINY_CONFIG)], new_run_id())
     try:
         proc.wait_ready()
         yield proc

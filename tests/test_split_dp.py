@@ -1,9 +1,12 @@
+"""Differential privacy of split inference: the Gaussian mechanism's sigma, per-position clipping, and the noise."""
 import math
 
 import pytest
 import torch
 
 from dtrain.node.split.dp import DPConfig, clip_and_noise, clip_rows, dp_sigma
+
+pytestmark = pytest.mark.unit
 
 
 def test_sigma_formula_and_protocol_value():

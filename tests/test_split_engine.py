@@ -1,3 +1,6 @@
+"""The split-inference engine on the tiny model: its pre-activations give the full model's logits, incremental calls
+equal full ones, sessions are isolated and stale ones refused, experts run with and without HE, DP noise is added,
+and bad requests are typed errors."""
 import threading
 from pathlib import Path
 
@@ -21,6 +24,8 @@ from dtrain.node.split.engine import (
 from dtrain.node.split.experts import ExpertRegistry, LoraExpert, UnknownExpertError, train_expert
 from dtrain.node.split.he import HEContext
 from dtrain.node.split.kv_cache import KVCacheStore
+
+pytestmark = pytest.mark.unit
 
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.json"
 

@@ -1,7 +1,11 @@
+"""HE-LoRA: the expert's delta computed on a CKKS-encrypted hidden state equals the plaintext one within CKKS's
+precision, and bad inputs are typed errors."""
 import numpy as np
 import pytest
 
 from dtrain.node.split.he import HEContext, HEError, he_lora_delta
+
+pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")

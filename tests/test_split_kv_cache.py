@@ -1,3 +1,5 @@
+"""Session-keyed KV caches: bounded by count (LRU) and idle time (TTL), one lock per session, bad arguments typed
+errors."""
 import threading
 import time
 
@@ -5,6 +7,8 @@ import pytest
 from transformers import DynamicCache
 
 from dtrain.node.split.kv_cache import KVCacheStore, SessionCache, SessionIdError, SplitError
+
+pytestmark = pytest.mark.unit
 
 
 class FakeClock:

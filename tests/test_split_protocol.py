@@ -31,9 +31,10 @@ from dtrain.node.split.experts import LoraExpert
 from dtrain.node.split.service import from_pretrained
 from dtrain.node.tokenizer import load_tokenizer
 from tests.texts import shakespeare
-from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, wait_until
+from tests.inproc import InProcessNode
+from tests.nodeproc import TINY_CONFIG, new_run_id, wait_until
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.http, pytest.mark.timeout(180)]
 
 EXPERT = "banking"
 
@@ -59,7 +60,7 @@ def expert_dir(tmp_path_factory, model):
 
 @pytest.fixture(scope="module")
 def nodes(expert_dir):
-    proc = NodeProcess("plain", ["--model-config", str(TINY_CONFIG), "--expert", f"{EXPERT}={expert_dir}"], new_run_id())
+    proc = InProcessNode("plain", ["--model-config", str(TINY_CONFIG), "--expert", f"{EXPERT}={expert_dir}"], new_run_id())
     try:
         proc.wait_ready()
         yield {"plain": proc}
@@ -71,7 +72,7 @@ def nodes(expert_dir):
 def training_node(tmp_path):
     text = tmp_path / "train.txt"
     text.write_text(shakespeare(20_000))
-    proc = NodeProcess("training", ["--model-config", str(TINY_CONFIG), "--train-data", str(text),
+    proc = InProcessNode("training", ["--model-config", str(TINY_CONFIG), "--train-data", str(text),
                                     "--target-batch-size", "8", "--local-batch-size", "8", "--local-seq-len", "32"],
                        new_run_id())
     try:
@@ -129,7 +130,7 @@ def pre_acts(answer: dict, d: int) -> np.ndarray:
     return np.frombuffer(base64.b64decode(answer["pre_activations"]), dtype="<f4").reshape(-1, d).copy()
 
 
-def post(node: NodeProcess, path: str, body: bytes) -> tuple[int, dict]:
+def post(node, path: str, body: bytes) -> tuple[int, dict]:
     req = urllib.request.Request(node.url + path, data=body, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=30) as r:

@@ -13,6 +13,8 @@ from dtrain.node.config import ModelConfig, SwarmConfig, TrainConfig
 from dtrain.node.model import build_model
 from tests.nodeproc import TINY_CONFIG, new_run_id
 
+pytestmark = pytest.mark.swarm
+
 TRAIN = TrainConfig()
 
 

@@ -12,6 +12,8 @@ from dtrain.node.assets import gpt2_tokenizer_files
 from dtrain.node.tokenizer import load_tokenizer
 from tests.texts import shakespeare
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[1]
 STATIC = REPO / "dtrain" / "static"
 SCRIPT = REPO / "tests" / "js" / "tokenizer_parity.mjs"

@@ -15,6 +15,8 @@ from dtrain.node.snapshot import params_digest
 from dtrain.node.train.trainer import TrainingNode
 from tests.nodeproc import TINY_CONFIG, new_run_id, wait_until
 
+pytestmark = pytest.mark.unit
+
 TRAIN = TrainConfig(min_nodes_for_update=2)
 
 

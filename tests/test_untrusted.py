@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from dtrain.bridge import dgrd
-from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, wait_until
+from tests.inproc import InProcessNode
+from tests.nodeproc import TINY_CONFIG, new_run_id, wait_until
 from tests.test_bridge_semantics import download_f32
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.http, pytest.mark.timeout(240)]
 
 TOKEN = "s3cret-token"
 # AdamW's settings, all explicit: the movement bound is computed from them. Four contributors per hand-over (three
@@ -31,7 +32,7 @@ def node(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("untrusted")
     (tmp / "tokens").write_text(f"# contributors\n{TOKEN}\n")
     (tmp / "train.json").write_text(json.dumps(TRAIN))
-    proc = NodeProcess("untrusted", ["--model-config", str(TINY_CONFIG), "--train-config", str(tmp / "train.json"),
+    proc = InProcessNode("untrusted", ["--model-config", str(TINY_CONFIG), "--train-config", str(tmp / "train.json"),
                                      "--no-data", "--contributor-tokens", str(tmp / "tokens"), "--rate-limit", "0.2",
                                      "--rate-burst", "2"], new_run_id())
     try:
@@ -194,7 +195,7 @@ def test_a_contributor_over_its_rate_gets_429_with_retry_after(node):
 
 def test_direction_check_drops_a_packet_against_the_momentum_and_nothing_else(tmp_path):
     (tmp_path / "train.json").write_text(json.dumps({**TRAIN, "min_nodes_for_update": 1}))
-    proc = NodeProcess("direction", ["--model-config", str(TINY_CONFIG), "--train-config", str(tmp_path / "train.json"),
+    proc = InProcessNode("direction", ["--model-config", str(TINY_CONFIG), "--train-config", str(tmp_path / "train.json"),
                                      "--no-data", "--min-cosine", "-0.05"], new_run_id())
     try:
         proc.wait_ready()

@@ -12,6 +12,7 @@ The service never imports the bridge; the bridge turns its typed errors into ans
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -131,7 +132,10 @@ def snapshot_state_dict(template: torch.nn.Module, f32: tuple[np.ndarray, ...]) 
     for (name, p), flat in zip(params, f32):
         if flat.size != p.numel():
             raise ValueError(f"snapshot tensor {name}: {flat.size} elements, want {p.numel()}")
-        by_param[id(p)] = torch.from_numpy(np.asarray(flat, dtype=np.float32)).view(p.shape)
+        with warnings.catch_warnings():
+            # a snapshot's arrays are read-only, and this state dict is only read: load_state_dict copies it
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+            by_param[id(p)] = torch.from_numpy(np.asarray(flat, dtype=np.float32)).view(p.shape)
     state = template.state_dict()
     for name, p in template.named_parameters(remove_duplicate=False):
         state[name] = by_param[id(p)]

@@ -1,0 +1,42 @@
+"""Every test module declares its tier, so that `-m` picks a tier and nothing runs in the wrong one.
+
+The tiers are pyproject's markers: `unit` (pure, in-process), `http` (a node's routes in-process, or one real node),
+`browser` (headless Chromium), `swarm` (several real nodes), `netns` (network namespaces), `gpu`. A module says
+which with `pytestmark = pytest.mark.<tier>` (or a list holding one); a module without one, or with two, or a
+test marked with a tier of its own, fails collection with a message that names it. `make test-fast` runs `-m "unit or http"`.
+"""
+from __future__ import annotations
+
+import pytest
+
+TIERS = ("unit", "http", "browser", "swarm", "netns", "gpu")
+
+
+def module_tiers(module) -> list[str]:
+    """The tier markers a test module declares in its `pytestmark`."""
+    marks = getattr(module, "pytestmark", [])
+    if not isinstance(marks, (list, tuple)):
+        marks = [marks]
+    return [m.name for m in marks if getattr(m, "name", None) in TIERS]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session, config, items):
+    problems = {}
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is None or module.__name__ in problems:
+            continue
+        tiers = module_tiers(module)
+        if len(tiers) != 1:
+            problems[module.__name__] = (item.path, "declares " + " and ".join(tiers) if tiers else "declares no tier")
+    for item in items:  # a test marked with a tier of its own would run in its module's tier too
+        own = [m.name for m in item.own_markers if m.name in TIERS]
+        if own and getattr(item, "module", None) is not None and item.module.__name__ not in problems:
+            problems[item.module.__name__] = (item.path, f"marks {item.name} {' and '.join(own)}: move it to a "
+                                                         "module of that tier")
+    if problems:
+        lines = [f"  {path}: {what}" for path, what in problems.values()]
+        raise pytest.UsageError(
+            "every test module declares exactly one tier, e.g. `pytestmark = pytest.mark.unit` "
+            f"(one of {', '.join(TIERS)}; see tests/conftest.py):\n" + "\n".join(lines))
