@@ -1,7 +1,8 @@
 """Every test module declares its tier, so that `-m` picks a tier and nothing runs in the wrong one.
 
 The tiers are pyproject's markers: `unit` (pure, in-process), `http` (a node's routes in-process, or one real node),
-`browser` (headless Chromium), `swarm` (several real nodes), `netns` (network namespaces), `gpu`. A module says
+`browser` (headless Chromium), `swarm` (several real nodes), `netns` (network namespaces), `gpu`, `install` (a
+wheel of this tree installed into a fresh environment). A module says
 which with `pytestmark = pytest.mark.<tier>` (or a list holding one); a module without one, or with two, or a
 test marked with a tier of its own, fails collection with a message that names it. `make test-fast` runs `-m "unit or http"`.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-TIERS = ("unit", "http", "browser", "swarm", "netns", "gpu")
+TIERS = ("unit", "http", "browser", "swarm", "netns", "gpu", "install")
 
 
 def module_tiers(module) -> list[str]:
