@@ -91,10 +91,12 @@ class NodeProcess:
     """One dtrain-node subprocess; its output is collected line by line in a background thread."""
 
     def __init__(self, name: str, args: Sequence[str], run_id: str, initial_peers: Sequence[str] = (),
-                 env: Optional[dict] = None):
+                 env: Optional[dict] = None, netns=None, host_maddrs: str = "/ip4/127.0.0.1/tcp/0"):
+        """`netns`: a tests.netns namespace to run in (a cold start; its HTTP is reached from inside it)."""
         self.name = name
+        self.netns = netns
         self.port = free_port()
-        argv = ["--host", "127.0.0.1", "--port", str(self.port), "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+        argv = ["--host", "127.0.0.1", "--port", str(self.port), "--host-maddrs", host_maddrs,
                 "--run-id", run_id, "--matchmaking-time", "2.5", "--request-timeout", "1.0", "--averaging-timeout", "8"]
         if initial_peers:
             argv += ["--initial-peers", *initial_peers]
@@ -103,7 +105,11 @@ class NodeProcess:
         self._lock = threading.Lock()
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         self.log_path = LOG_DIR / f"{run_id}-{name}.log"
-        if env:  # an environment of its own: a cold start
+        if netns is not None:
+            self.proc = netns.popen([sys.executable, "-m", "dtrain.cli", *argv], cwd=REPO, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        elif env:  # an environment of its own: a cold start
             self.proc = subprocess.Popen([sys.executable, "-m", "dtrain.cli", *argv], cwd=REPO, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, text=True,
                                          env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
@@ -129,8 +135,19 @@ class NodeProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def get_json(self, path: str, timeout_s: float = 5.0):
+        if self.netns is not None:
+            return self.in_netns(self._get_json, path, timeout_s)
+        return self._get_json(path, timeout_s)
+
+    def _get_json(self, path: str, timeout_s: float):
         with urllib.request.urlopen(self.url + path, timeout=timeout_s) as r:
             return json.loads(r.read())
+
+    def in_netns(self, fn, *args, **kwargs):
+        """fn(*args, **kwargs) where this node's 127.0.0.1 is: in its namespace, if it has one."""
+        if self.netns is None:
+            return fn(*args, **kwargs)
+        return self.netns.call(fn, *args, timeout_s=120.0, **kwargs)
 
     def wait_ready(self, timeout_s: float = 90.0) -> list[str]:
         """Wait for the printed join hint; returns the multiaddrs the node printed."""

@@ -82,7 +82,7 @@ class Contributions:
         for _ in range(attempts):
             step = node.get_json("/api/v1/model/info")["step"]
             packet = dgrd.encode(step, contributor, 3.0, 4, [(TENSOR, coords, values)], flags=dgrd.FLAGS_MODE2)
-            status, body = submit(node, packet)
+            status, body = node.in_netns(submit, node, packet)
             if status == 200:
                 with self._lock:
                     self.accepted.append((node.name, coords))
@@ -101,8 +101,10 @@ class Contributions:
 
 
 def tensor_f32(node: NodeProcess, tensor_id: int) -> tuple[int, np.ndarray]:
-    with urllib.request.urlopen(f"{node.url}/api/v1/model/tensor/{tensor_id}?format=f32", timeout=30) as r:
-        return int(r.headers["X-Model-Step"]), np.frombuffer(r.read(), "<f4")
+    def read():
+        with urllib.request.urlopen(f"{node.url}/api/v1/model/tensor/{tensor_id}?format=f32", timeout=30) as r:
+            return int(r.headers["X-Model-Step"]), np.frombuffer(r.read(), "<f4")
+    return node.in_netns(read)
 
 
 def all_applied(nodes: list[NodeProcess]) -> bool:

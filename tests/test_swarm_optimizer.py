@@ -120,3 +120,35 @@ def test_a_peer_behind_the_swarm_does_not_update_until_it_caught_up(single_peer)
         assert all(torch.equal(p, q) for p, q in zip(model_b.parameters(), before))
     finally:
         peer_b.shutdown()
+
+
+def test_a_client_mode_peer_whose_round_fails_makes_no_update(single_peer):
+    """A client-mode peer (behind NAT: nobody can download its state) that updated alone after a failed round
+    would serve bytes for the next epoch that no other peer has, its packets applied on itself only. It makes no
+    update: same epoch, same parameters, its gradient still to be averaged in a later round."""
+    model_a, _, opt_a, _ = single_peer
+    model_c = build_model(ModelConfig.load(TINY_CONFIG))
+    config = SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), initial_peers=tuple(opt_a.dht.get_visible_maddrs()),
+                         run_id=opt_a.run_id, target_batch_size=6, matchmaking_time_s=1.0, request_timeout_s=0.5,
+                         averaging_timeout_s=5.0, reachability="client")
+    grads_c = []
+    peer_c = swarm.Swarm(config, swarm.make_local_optimizer(model_c, TRAIN), local_gradients=lambda: grads_c)
+    try:
+        opt_c = peer_c.optimizer
+        assert peer_c.client_mode and opt_c.client_mode and peer_c.reachability.chosen_by == "flag"
+        assert peer_c.wait_for_progress(timeout_s=10)
+        grads_c[:] = _gradient(model_c)
+        with torch.no_grad():
+            for p, g in zip(model_c.parameters(), grads_c):
+                p.grad.copy_(g)
+        before = [p.detach().clone() for p in model_c.parameters()]
+        deadline = time.monotonic() + 30
+        while opt_c.skipped_rounds == 0 and time.monotonic() < deadline:
+            # the target reached, C gathers a round; A (public, the only one that could lead it) is not averaging
+            opt_c.step(batch_size=6 if opt_c.grad_averager.local_samples_accumulated == 0 else 0)
+        assert opt_c.skipped_rounds >= 1
+        assert opt_c.local_epoch == 0 and opt_c.last_round is None
+        assert all(torch.equal(p, q) for p, q in zip(model_c.parameters(), before))
+        assert opt_a.local_epoch == 0
+    finally:
+        peer_c.shutdown()

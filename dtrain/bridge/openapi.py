@@ -250,7 +250,13 @@ def _schemas() -> dict:
             "pending_contributors": integer, "params_sha256": string,
             "accepted_packets": integer, "accepted_samples": integer, "applied_packets": integer,
             "applied_samples": integer, "carried_packets": integer, "carried_samples": integer,
-            "pending_samples": integer, "last_update_s": {"type": "number"}}},
+            "pending_samples": integer, "last_update_s": {"type": "number"}, "skipped_rounds": integer,
+            "reachability": {"type": "object", "description": "how this node takes part in the swarm "
+                             "(docs/home-nodes.md): mode public (a full peer) or client (dials out only), and what "
+                             "the dial-back check at start found", "properties": {
+                "mode": {"enum": ["public", "client"]}, "verdict": {"enum": ["reachable", "unreachable", "unchecked"]},
+                "asked": integer, "answered": integer, "dialed": integer, "relay": {"type": "boolean"},
+                "chosen_by": {"enum": ["check", "flag"]}, "detail": string}}}},
         "ForwardRequest": {"type": "object", "required": ["hidden_states", "seq_len", "hidden_dim"], "properties": {
             "type": {"const": "forward"}, "hidden_states": {**string, "description": "base64 float32 [seq_len, hidden_dim]"},
             "seq_len": integer, "hidden_dim": integer, "session_id": string, "incremental": {"type": "boolean"},

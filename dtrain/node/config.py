@@ -103,8 +103,17 @@ class SwarmConfig:
     averaging_timeout_s: float = option(30.0, "--averaging-timeout", "bound on one all-reduce round, seconds")
     request_timeout_s: float = option(3.0, "--request-timeout", "bound on one averaging RPC, seconds")
     load_state_timeout_s: float = 120.0  # bound on downloading state from a peer, seconds
+    # how the node joins (docs/home-nodes.md): a full peer that others dial, or a client-mode peer that dials out
+    reachability: str = option("auto", "--reachability", "auto: ask the initial peers to dial this node back and "
+                               "join as a client-mode peer if none can; public: a full peer; client: a client-mode "
+                               "peer (behind NAT, dials out only)", choices=("auto", "public", "client"))
+    relay: bool = option(True, "--no-relay", "use no libp2p relays (default: peers may be dialed through a public "
+                         "peer acting as relay, and a client-mode node looks for one)", action="store_false",
+                         dest="relay")
 
     def __post_init__(self):
+        if self.reachability not in ("auto", "public", "client"):
+            raise ConfigError(f"reachability must be auto, public or client, got {self.reachability!r}")
         if self.matchmaking_time_s <= self.request_timeout_s:
             raise ConfigError(
                 f"matchmaking_time ({self.matchmaking_time_s}s) must exceed request_timeout ({self.request_timeout_s}s);"

@@ -45,6 +45,18 @@ function emptyRow(body, cols, text) {
   body.append(tr);
 }
 
+// how this node takes part in the swarm: a full peer, or a client-mode peer behind NAT (docs/home-nodes.md)
+function describeReachability(r) {
+  if (!r || !r.mode) return "–";
+  const role = r.mode === "client"
+    ? "client mode (other peers cannot dial this node; it dials out and its gradients are averaged in public peers' groups)"
+    : "public (a full peer)";
+  const why = r.chosen_by === "flag" ? "set by --reachability"
+    : r.verdict === "unchecked" ? `not checked: ${r.detail || "no peer answered"}`
+    : `${r.dialed} of ${r.answered} peers asked could dial it back`;
+  return `${role} · ${why}${r.relay ? "" : " · relays off"}`;
+}
+
 function renderStatus(s) {
   setText("s-step", fmtInt(s.step));
   setText("s-updates", fmtInt(s.updates));
@@ -71,6 +83,7 @@ function renderStatus(s) {
   const maddrs = Array.isArray(s.maddrs) ? s.maddrs : [];
   setText("join-cmd", maddrs.length ? `dtrain-node --initial-peers ${maddrs[0]}` : "(node has no listen address yet)");
   setText("peer-id", s.peer_id || "–");
+  setText("reachability", describeReachability(s.reachability));
   setText("params-sha", s.params_sha256 ? s.params_sha256.slice(0, 16) + "…" : "–");
   $("params-sha").title = s.params_sha256 || "";
 

@@ -7,7 +7,9 @@ already serves those bytes. The rule:
 
 1. A peer whose gradient round completed waits (bounded) for the records of its group; it stops waiting as soon
    as some peer serves the epoch. A peer whose round failed does not wait.
-2. The reference is the served record of highest priority if there is one, else the record of highest priority.
+2. The reference is the served record of highest priority if there is one, else the record of highest priority;
+   a client-mode peer's record is the reference only when no full peer published one (its state can be downloaded
+   by nobody, so its bytes can never be what the others serve).
    A peer serves the new step only with the reference's bytes: equal digests, or a download of the reference's
    state checked against its digest. Until then it keeps serving the previous step.
 3. Its own gradient is in the swarm's update if it serves its own update's bytes, or if its round was complete
@@ -55,19 +57,20 @@ class Record:
     group: tuple[str, ...] = ()  # the peers whose gradients its update averaged (empty: it only caught up)
     clean: bool = False  # its gradient round completed
     served: bool = False  # it serves these bytes
+    client: bool = False  # a client-mode peer's: nobody can download its state
 
     @classmethod
     def parse(cls, raw: Mapping) -> Optional["Record"]:
         try:
             return cls(digest=str(raw["digest"]), priority=float(raw["priority"]),
                        group=tuple(str(p) for p in raw.get("group", ())), clean=bool(raw.get("clean", False)),
-                       served=bool(raw.get("served", False)))
+                       served=bool(raw.get("served", False)), client=bool(raw.get("client", False)))
         except (KeyError, TypeError, ValueError):
             return None
 
     def as_dict(self) -> dict:
         return dict(digest=self.digest, priority=self.priority, group=list(self.group), clean=self.clean,
-                    served=self.served)
+                    served=self.served, client=self.client)
 
 
 class Download(Enum):
@@ -89,6 +92,7 @@ class Verdict:
 
 def reference_of(records: Mapping[str, Record]) -> Optional[tuple[str, Record]]:
     """The peer whose bytes every peer serves for the epoch (rule 2 above)."""
+    records = {p: r for p, r in records.items() if not r.client} or records
     served = {p: r for p, r in records.items() if r.served}
     pool = served or records
     if not pool:
@@ -103,6 +107,7 @@ class Agreement:
                  stop: threading.Event, seed_digest: str):
         self.dht, self.optimizer, self.model, self._stop = dht, optimizer, model, stop
         self.run_id, self.peer_id = config.run_id, str(dht.peer_id)
+        self.client = bool(optimizer.client_mode)  # records say so; such a peer sets no state-sharing priority
         # a peer whose gradient round failed matchmakes and waits out a state-averaging round too:
         # it may finish two averaging timeouts after the others
         self.wait_s = WAIT_MARGIN_S + config.matchmaking_time_s + 2 * config.averaging_timeout_s
@@ -134,7 +139,8 @@ class Agreement:
     def vouch(self, snap: Snapshot) -> None:
         """Publish state this peer loaded and checked, or restored: a served record of its epoch, never a
         reference over a peer that made the update."""
-        self._publish(snap.updates, Record(snap.digest, priority=float(snap.updates), served=True))
+        self._publish(snap.updates, Record(snap.digest, priority=float(snap.updates), served=True,
+                                                  client=self.client))
 
     def keep_alive(self) -> None:
         """Refresh this peer's latest records (records expire after dht_records.RECORD_TTL_S)."""
@@ -216,7 +222,7 @@ class Agreement:
         round failed waits for nobody: a served record outranks any later one, so later updaters follow it."""
         epoch = snap.updates
         mine = Record(snap.digest, self.optimizer.state_averager.state_sharing_priority,
-                      group=outcome.group, clean=outcome.clean)
+                      group=outcome.group, clean=outcome.clean, client=self.client)
         self._publish(epoch, mine)
         waiting_for = set(outcome.group) - {self.peer_id} if outcome.clean else set()
         deadline = time.monotonic() + self.group_wait_s
@@ -245,7 +251,8 @@ class Agreement:
             logger.warning(f"update {epoch}: parameters differ from those peer {reference_peer} serves; "
                            f"loading its state")
             # follow: below the reference, so that downloads of the others come from it
-            self.optimizer.state_averager.state_sharing_priority = float(epoch)
+            if not self.client:
+                self.optimizer.state_averager.state_sharing_priority = float(epoch)
             if self.load_state_from_peers(want_digest=reference.digest) is not Download.CHECKED:
                 # never serve bytes that disagree with the swarm's: keep serving the last step, catch up later.
                 # Whether the swarm's update holds this peer's gradient does not depend on that.
@@ -255,7 +262,7 @@ class Agreement:
             snap = make_snapshot(self.model, self.optimizer.local_epoch)  # the reference's, or a later served state
         if snap.updates == epoch:
             self._publish(epoch, Record(snap.digest, self.optimizer.state_averager.state_sharing_priority,
-                                        group=mine.group, clean=mine.clean, served=True))
+                                        group=mine.group, clean=mine.clean, served=True, client=self.client))
         return Verdict(snap, included, reference_peer)
 
     def recheck(self, snap: Snapshot, force: bool = False) -> Snapshot:

@@ -1,10 +1,12 @@
 """The node's hold on the hivemind swarm: its DHT and the collaborative optimizer around the model's AdamW.
 
-`Swarm` owns both and their shutdown. `SwarmOptimizer` is hivemind.Optimizer with four changes the node
-relies on: a gradient round is applied whole or not at all (node.commit), it applies the node's exact gradient
-whenever the swarm's average is unavailable, it reports each update's outcome (which peers' gradients went into it),
-and an update also begins when the swarm's pending samples stop growing, so a swarm keeps its pace when a peer leaves
-whatever target it was started with.
+`Swarm` owns both and their shutdown, and decides at start whether the node joins as a full peer or, when the swarm
+cannot dial it, as a client-mode peer (node.swarm.reachability). `SwarmOptimizer` is hivemind.Optimizer with five
+changes the node relies on: a gradient round is applied whole or not at all (node.commit), it applies the node's
+exact gradient whenever the swarm's average is unavailable, a client-mode peer never updates without the swarm's
+average, it reports each update's outcome (which peers' gradients went into it), and an update also begins when the
+swarm's pending samples stop growing, so a swarm keeps its pace when a peer leaves whatever target it was started
+with.
 """
 from __future__ import annotations
 
@@ -23,12 +25,14 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
 from dtrain.node.swarm.commit import AbortedRound, CommittingGradientAverager
+from dtrain.node.swarm.reachability import Reachability, ReachabilityService, decide
 from dtrain.node.config import SwarmConfig, TrainConfig
 
 logger = get_logger(__name__)
 
 # the tracker looks for fresh swarm progress at least this often: it bounds how far apart peers begin an update
 TRACKER_MAX_REFRESH_S = 1.0
+SKIP_LOG_EVERY_S = 10.0  # at most one log line this often for rounds that made no update
 SHUTDOWN_TIMEOUT_S = 5.0  # how long hivemind may take to leave the swarm when stopped under an update
 
 
@@ -39,6 +43,10 @@ class RoundOutcome:
     epoch: int  # the epoch the update made
     group: tuple[str, ...]  # peer ids whose gradients were averaged (this peer alone when it used its own)
     clean: bool  # the gradient round completed on this peer (or it was alone): its gradient is in the average
+
+
+class NoSwarmRound(Exception):
+    """A client-mode peer's gradient round did not complete: it makes no update (SwarmOptimizer)."""
 
 
 def make_local_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.optim.AdamW:
@@ -109,6 +117,12 @@ class SwarmOptimizer(hivemind.Optimizer):
     the update is weight decay alone and the samples are lost. With no other peer it applies the accumulators
     without dividing them by the number of step() calls. The node keeps its own exact gradient and hands it in
     through `local_gradients`.
+
+    A client-mode peer (behind NAT) never updates on its own gradient. Its state can be downloaded by no one, so an
+    update alone would make bytes for the next epoch that no other peer has: its packets applied on itself only,
+    and its epoch split from the swarm's. When its round fails (no public peer led a group it could join, or the
+    all-reduce broke) it makes no update at all (`skipped_rounds`): its gradient stays pending, the swarm's next
+    update is downloaded when the swarm moves on, and the gradient joins the round after, with the swarm.
     """
 
     def __init__(self, *, local_gradients: Callable[[], Sequence[torch.Tensor]], update_bonus: float,
@@ -119,7 +133,17 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.last_round: Optional[RoundOutcome] = None
         self._round_group: tuple[str, ...] = ()
         self._round_clean = False
+        self.skipped_rounds = 0  # rounds that failed with no gradient this peer could apply alone: no update
+        self._round_samples = 0  # samples this peer brought to the round being run
+        self._next_skip_log = 0.0
         super().__init__(**kwargs)
+
+    def _no_round_alone(self, reason: str) -> None:
+        # A client-mode peer never updates alone (see the class docstring); nor does a full peer that only joined
+        # the round for client-mode peers' sake (no samples of its own): alone, its update would be Adam's
+        # momentum and weight decay, asked for by no one
+        if self.client_mode or self._round_samples == 0:
+            raise NoSwarmRound(reason)
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
         return PacedTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
@@ -142,8 +166,10 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
         self._round_group, self._round_clean = (self.peer_id,), False
+        self._round_samples = self.grad_averager.local_samples_accumulated  # the round resets it
         began = super()._begin_averaging_gradients(grad_scaler)
         if not began:
+            self._no_round_alone("the gradient round could not begin")
             # hivemind goes on with whatever is in .grad (the raw accumulators): put the exact gradient there
             self._load_exact_local_gradients()
             self._round_clean = self.tracker.global_progress.num_peers <= 1  # alone: nothing to average with
@@ -151,6 +177,7 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
         if maybe_step_control is None:
+            self._no_round_alone("no other peer in the swarm's progress")
             self._round_clean = True  # "no other peers": this peer's gradient is the whole update
             self._load_exact_local_gradients()
             self.grad_averager.notify_used_averaged_gradients()
@@ -165,6 +192,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         except BaseException as e:
             group_info = AbortedRound(repr(e))
         if isinstance(group_info, AbortedRound):
+            self._no_round_alone(group_info.reason)
             logger.info(f"Gradient averaging failed ({group_info.reason}): this update uses this peer's own gradient")
             self._load_local_gradients_into_optimizer()
             return
@@ -180,7 +208,17 @@ class SwarmOptimizer(hivemind.Optimizer):
             # agreement, carried into a later one too. The node catches up first (TrainingNode._catch_up) and
             # joins the swarm's next round with its gradient intact.
             return
-        super()._update_global_epoch(grad_scaler)
+        try:
+            super()._update_global_epoch(grad_scaler)
+        except NoSwarmRound as e:
+            self.skipped_rounds += 1
+            if time.monotonic() >= self._next_skip_log:  # a client-mode peer left alone retries every poll
+                self._next_skip_log = time.monotonic() + SKIP_LOG_EVERY_S
+                logger.info(f"Gradient round failed ({e}): no update alone"
+                            + (" (client mode); this peer's gradient waits for the swarm's next round"
+                               if self.client_mode else " (no samples of its own)")
+                            + f"; {self.skipped_rounds} such rounds so far")
+            return
         self.last_round = RoundOutcome(epoch=self.local_epoch, group=self._round_group, clean=self._round_clean)
         if not self.client_mode:
             self.state_averager.state_sharing_priority = self.local_epoch + update_bonus(
@@ -212,16 +250,27 @@ class Swarm:
         if identity_path and not os.path.exists(identity_path):
             P2P.generate_identity(identity_path)  # a stable peer id across restarts
             logger.info(f"Generated a new libp2p identity in {identity_path}")
+        # asked before the DHT starts: hivemind's client mode is chosen when a peer is created
+        self.reachability: Reachability = decide(config.reachability, config.relay, config.initial_peers,
+                                                 config.host_maddrs, config.announce_maddrs)
+        logger.info(self.reachability.describe())
+        client = self.reachability.mode == "client"
         self.dht = hivemind.DHT(
             initial_peers=list(config.initial_peers),
             host_maddrs=list(config.host_maddrs),
             announce_maddrs=list(config.announce_maddrs) or None,
             identity_path=identity_path,
+            client_mode=client,
+            use_relay=config.relay,
+            use_auto_relay=config.relay and client,
             start=True,
         )
         self.optimizer: Optional[SwarmOptimizer] = None
+        self.service: Optional[ReachabilityService] = None
         self._shut_down = threading.Event()
         try:
+            if not client:  # a client-mode peer cannot be asked: nobody dials it
+                self.service = ReachabilityService(self.dht)
             self.peer_id = str(self.dht.peer_id)
             self.maddrs = [str(addr) for addr in self.dht.get_visible_maddrs()]
             # Every node applies the same averaged update: gradients are all-reduced, then parameters and Adam
@@ -238,6 +287,7 @@ class Swarm:
                 averaging_timeout=config.averaging_timeout_s,
                 load_state_timeout=config.load_state_timeout_s,
                 delay_state_averaging=False,
+                client_mode=client,  # hivemind 1.1.12 takes the DHT's mode when this is given at all
                 reuse_grad_buffers=True,  # the node writes the exact samples-weighted gradient into .grad itself
                 grad_averager_factory=CommittingGradientAverager,  # a gradient round is applied whole or not at all
                 average_state_every=1,
@@ -250,6 +300,10 @@ class Swarm:
         except BaseException:
             self.shutdown()
             raise
+
+    @property
+    def client_mode(self) -> bool:
+        return self.reachability.mode == "client"
 
     @property
     def epoch(self) -> int:
@@ -285,7 +339,7 @@ class Swarm:
         if self._shut_down.is_set():
             return
         self._shut_down.set()
-        for part in (self.optimizer, self.dht):  # the DHT last: its shutdown also stops the p2pd child process
+        for part in (self.service, self.optimizer, self.dht):  # the DHT last: it also stops the p2pd child process
             if part is None:
                 continue
             try:

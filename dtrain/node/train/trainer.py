@@ -64,6 +64,8 @@ class NodeStatus:
     carried_samples: int
     pending_samples: int  # handed to the training thread, not applied yet
     last_update_s: float  # how long the last update took (0 before the first)
+    reachability: dict  # node.swarm.reachability.Reachability.as_dict(): full or client-mode peer, and why
+    skipped_rounds: int  # client mode: gradient rounds that failed, so this node made no update (nothing lost)
 
 
 class TrainingNode:
@@ -186,6 +188,8 @@ class TrainingNode:
             applied_samples=grad.applied_samples, carried_packets=grad.carried_packets,
             carried_samples=grad.carried_samples, pending_samples=grad.pending_samples,
             last_update_s=self._last_update_s,
+            reachability=self.swarm.reachability.as_dict() if self.swarm else {},
+            skipped_rounds=self.swarm.optimizer.skipped_rounds if self.swarm else 0,
         )
 
     # ---- joining -------------------------------------------------------------------------------------------
@@ -285,7 +289,7 @@ class TrainingNode:
             worked = True
         # a peer behind the swarm takes its state first, so that its gradient joins the swarm's next round
         self._catch_up()
-        if self.gradient.samples > 0:
+        if self.gradient.samples > 0 or self._round_for_clients():
             self._step()  # lets hivemind schedule and run the update the swarm is gathering samples for
         if self.presence.due():
             self.presence.refresh(self.step, self.gradient.samples)
@@ -295,6 +299,16 @@ class TrainingNode:
             self._save_checkpoint()
             self._last_checkpoint_epoch = epoch
         return worked
+
+    def _round_for_clients(self) -> bool:
+        """A full peer with nothing of its own joins (with weight 0) an update the swarm gathered samples for while
+        a client-mode peer is in it: client-mode peers cannot lead an averaging group, so without a full peer in the
+        round their gradients would never be averaged (docs/home-nodes.md)."""
+        if self.swarm.client_mode or self._unverified:
+            return False
+        tracker = self.swarm.optimizer.tracker
+        progress = tracker.global_progress
+        return progress.num_clients > 0 and progress.samples_accumulated > 0 and tracker.ready_to_update_epoch
 
     def _add(self, contributions) -> None:
         """One hand-over, robustly aggregated (CenteredClip by default: the exact weighted mean unless someone is
@@ -371,10 +385,12 @@ class TrainingNode:
         verdict = self.agreement.after_update(snap, outcome)
         if verdict.included:
             applied = self.gradient.settle()
-            with self._lock:
-                self._losses.append(applied.mean_loss)
+            if applied.samples:  # a full peer that joined only for client-mode peers' samples has no loss of its own
+                with self._lock:
+                    self._losses.append(applied.mean_loss)
             totals, accepted = self.gradient.counters(), self.pool.counters().accepted_samples
-            logger.info(f"update {outcome.epoch}: {applied.samples} samples, loss {applied.mean_loss:.4f}; "
+            loss = f"loss {applied.mean_loss:.4f}" if applied.samples else "none of its own, joined for client-mode peers"
+            logger.info(f"update {outcome.epoch}: {applied.samples} samples, {loss}; "
                         f"{applied.packets} packets, {len(outcome.group)} peers, took {took_s:.1f}s "
                         f"({applied.samples / max(took_s, 1e-9):.1f} samples/s); this node so far: accepted "
                         f"{accepted}, applied {totals.applied_samples}, carried {totals.carried_samples} samples")
@@ -438,8 +454,10 @@ class TrainingNode:
             self._publish(agreed)
 
     def _share_state(self) -> None:
-        # the model's bytes are the ones this node serves: peers may download them (off while it loads a state)
-        self.swarm.optimizer.state_averager.allow_state_sharing = True
+        # the model's bytes are the ones this node serves: peers may download them (off while it loads a state);
+        # nobody can download from a client-mode peer
+        if not self.swarm.client_mode:
+            self.swarm.optimizer.state_averager.allow_state_sharing = True
 
     def _publish(self, snap: Snapshot) -> None:
         self._snapshot = snap
