@@ -1,0 +1,37 @@
+"""The outer optimizer of a low-communication round: Nesterov SGD on the averaged pseudo-gradient.
+
+It is what hivemind.Optimizer wraps in low-communication mode, so the swarm's update applies it to the averaged
+pseudo-gradients in `.grad` of parameters that the node reset to the round's starting point. A node alone
+(`passthrough`) has no round to average: each of its inner updates is the spec's single-server update, so the outer
+step leaves the parameters (already moved by the inner AdamW) and the momentum exactly as they are.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class OuterNesterov(torch.optim.Optimizer):
+    def __init__(self, params, lr: float = 0.7, momentum: float = 0.9):
+        if not lr > 0:
+            raise ValueError(f"outer learning rate must be > 0, got {lr!r}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"outer momentum must be in [0, 1), got {momentum!r}")
+        super().__init__(params, dict(lr=lr, momentum=momentum))
+        self.passthrough = False
+        for group in self.param_groups:  # the state exists from the start: a joiner downloads it like any other
+            for p in group["params"]:
+                self.state[p] = {"momentum_buffer": torch.zeros_like(p)}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.passthrough:
+            return None
+        for group in self.param_groups:
+            lr, mu = group["lr"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p]["momentum_buffer"]
+                buf.mul_(mu).add_(p.grad)
+                p.add_(p.grad.add(buf, alpha=mu), alpha=-lr)  # Nesterov: g + mu * buf
+        return None

@@ -1,0 +1,128 @@
+"""The low-communication mode's pure parts: wire codecs and their byte counts, the deadlines derived from them, the
+outer Nesterov step, and one node's round bookkeeping (nothing dropped, nothing twice)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hivemind.compression import CompressionInfo, deserialize_torch_tensor, serialize_torch_tensor
+
+from dtrain.node.lowcomm import codec, deadline
+from dtrain.node.lowcomm.outer import OuterNesterov
+from dtrain.node.lowcomm.rounds import InnerRounds
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("name,tol", [("fp32", 0.0), ("fp16", 1e-3)])
+def test_codecs_round_trip_within_their_precision_and_cost_their_bytes(name, tol):
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(0))
+    wire = serialize_torch_tensor(x, codec.compression(name).compression_type)
+    back = deserialize_torch_tensor(wire)
+    assert back.shape == x.shape
+    assert float((back - x).abs().max()) <= tol * float(x.abs().max()) + 1e-12
+    assert len(wire.buffer) <= codec.bytes_per_element(name) * x.numel() + 64
+
+
+def test_unknown_codec_is_a_typed_error():
+    with pytest.raises(codec.UnknownCodec):
+        codec.compression("top1")
+
+
+def test_allreduce_bytes():
+    assert codec.allreduce_bytes(1000, 1, 4.0) == 0.0
+    assert codec.allreduce_bytes(1000, 2, 4.0) == 4000.0
+    assert codec.allreduce_bytes(900, 3, 1.0) == 1200.0
+
+
+def test_deadline_grows_with_bytes_and_keeps_the_floor():
+    d = deadline.round_deadline(250e6, floor_s=30.0, link_mbit=20.0)
+    assert d.seconds == pytest.approx(3.0 * 250e6 / 2.5e6) and "20 Mbit/s" in d.why
+    assert deadline.round_deadline(1e6, floor_s=30.0, link_mbit=20.0).seconds == 30.0
+    assert deadline.round_deadline(250e6, floor_s=30.0).seconds == 30.0  # nothing known: the floor
+    slow = deadline.round_deadline(250e6, floor_s=30.0, link_mbit=100.0, measured_bps=1e6)
+    assert slow.seconds == pytest.approx(750.0) and "measured" in slow.why  # the slower of the two
+
+
+def test_throughput_estimate_ignores_empty_rounds():
+    t = deadline.Throughput()
+    t.observe(0, 1.0)
+    t.observe(10.0, 0.0)
+    assert t.bps is None
+    t.observe(100.0, 1.0)
+    t.observe(300.0, 1.0)
+    assert t.bps == pytest.approx(200.0)
+
+
+def test_outer_nesterov_matches_torch_sgd_and_passthrough_changes_nothing():
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(5))
+    b.data.copy_(a.data)
+    mine, ref = OuterNesterov([a], lr=0.7, momentum=0.9), torch.optim.SGD([b], lr=0.7, momentum=0.9, nesterov=True)
+    for _ in range(3):
+        g = torch.randn(5)
+        a.grad, b.grad = g.clone(), g.clone()
+        mine.step()
+        ref.step()
+    assert torch.allclose(a, b, atol=1e-6)
+    before, buf = a.detach().clone(), mine.state[a]["momentum_buffer"].clone()
+    mine.passthrough = True
+    a.grad = torch.randn(5)
+    mine.step()
+    assert torch.equal(a.detach(), before) and torch.equal(mine.state[a]["momentum_buffer"], buf)
+    with pytest.raises(ValueError):
+        OuterNesterov([a], lr=0.0)
+
+
+def _rounds(steps=2):
+    p = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+    inner = torch.optim.SGD([p], lr=0.5)
+    return p, InnerRounds([p], inner, steps)
+
+
+def test_a_settled_round_starts_the_next_from_the_outer_update():
+    p, r = _rounds()
+    r.inner_step([torch.tensor([1.0, 0.0, 0.0])])
+    assert not r.due
+    r.inner_step([torch.tensor([1.0, 0.0, 0.0])])
+    assert r.due
+    r.enter_outer()
+    assert torch.equal(p.detach(), torch.tensor([1.0, 2.0, 3.0]))  # the outer step starts at the anchor
+    assert torch.equal(r.pseudo_gradient()[0], torch.tensor([1.0, 0.0, 0.0]))
+    with torch.no_grad():
+        p.sub_(r.pseudo_gradient()[0])  # an outer step of lr 1
+    r.settle()
+    assert r.steps == 0 and not r.in_outer
+    assert torch.equal(r.anchor[0], torch.tensor([0.0, 2.0, 3.0]))
+    assert torch.equal(r.pseudo_gradient()[0], torch.zeros(3))
+
+
+def test_a_missed_round_carries_the_pseudo_gradient_once_onto_the_swarms_bytes():
+    p, r = _rounds()
+    r.inner_step([torch.tensor([2.0, 0.0, 0.0])])  # delta [1, 0, 0]
+    r.enter_outer()
+    with torch.no_grad():
+        p.copy_(torch.tensor([10.0, 20.0, 30.0]))  # the swarm's bytes, downloaded: they hold none of this node's work
+    r.carry()
+    assert torch.equal(r.anchor[0], torch.tensor([10.0, 20.0, 30.0]))
+    assert torch.equal(p.detach(), torch.tensor([9.0, 20.0, 30.0]))
+    assert r.steps == 1  # still counted toward the next round
+    r.inner_step([torch.tensor([0.0, 2.0, 0.0])])
+    assert torch.equal(r.pseudo_gradient()[0], torch.tensor([1.0, 1.0, 0.0]))  # carried + new, each once
+
+
+def test_no_update_returns_to_the_inner_parameters_and_carry_needs_enter():
+    p, r = _rounds()
+    r.inner_step([torch.tensor([2.0, 0.0, 0.0])])
+    inner = p.detach().clone()
+    r.enter_outer()
+    r.leave_outer()
+    assert torch.equal(p.detach(), inner)
+    with pytest.raises(RuntimeError):
+        r.carry()
+
+
+def test_alone_each_inner_update_is_the_update():
+    p, r = _rounds()
+    r.inner_step([torch.tensor([2.0, 0.0, 0.0])])
+    r.absorb()
+    assert torch.equal(r.anchor[0], p.detach()) and r.steps == 0
