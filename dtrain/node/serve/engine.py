@@ -391,6 +391,8 @@ class ServeEngine:
         self._send(row, released)
         ticket = row.ticket
         ticket.finish_reasons[row.choice] = reason
+        with self._cond:  # the row decodes no more: `load` says so before its client hears it ended (_retire drops it)
+            self._running_rows -= 1
         ticket._emit(Finish(row.choice, reason))
         if all(r is not None for r in ticket.finish_reasons):
             self.completed_requests += 1
