@@ -7,19 +7,23 @@ applied with torch AdamW on `static/train_config.json`'s settings. Every run see
 same samples: honest contributors and attackers alike compute on their batch (an attacker's samples are
 spent on its attack). Held-out loss on the last 10% of the text after each run.
 
+The defended runs do what a node with default flags does (`TrainingNode._add`): each hand-over is judged against
+the node's own gradient on `--reference-batch` sequences of its own text at that step (train/reference.py; the
+node's own text here is a stream of training batches no contributor is given), the contributor ledger scores every
+judged packet, a scored-out contributor's packets are refused (the node's 403) and a new contributor's weight
+ramps up with its record (train/ledger.py). `--no-reference` runs the aggregation without reference and ledger.
+
 Attacks (the first 20% or 40% of the contributors, colluding, every hand-over):
 - sign_flip: the top-k packet of -g (error feedback and all);
 - scaled: of 1000 g;
 - noise: N(0, 1) values on as many random coordinates per tensor as top-k sends (gradients are ~1e-3);
 - huge_samples: sign-flipped, claiming `max_samples_per_packet` samples (the gate refuses more);
 - little_is_enough (Baruch et al. 2019): knowing this hand-over's honest packets, send mean - z std on
-  every coordinate any of them touched, z from the number of contributors and attackers.
+  every coordinate any of them touched, z from the number of contributors and attackers;
+- sybil: two parties, each behind 5 node_ids: every hand-over each attacker slot sends its party's sign-flipped
+  top-k packet claiming `max_samples_per_packet`, under the next of its party's ids (the ids take turns).
 
-`--direction-check C` adds rows with the opt-in direction check (`RobustConfig.min_cosine = C`, the node's
-`--min-cosine`): honest, and each of `--direction-attacks` at the largest fraction; the reference direction is
-the AdamW exp_avg of the run, as the node passes its own.
-
-    python bench/bench_robust.py [--model-config configs/tiny.json] [--hand-overs 60] [--plot bench/robust.png]
+    python bench/bench_robust.py [--model-config configs/tiny.json] [--hand-overs 40] [--no-reference] [--plot docs/robust_tiny.png]
 """
 from __future__ import annotations
 
@@ -37,7 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dtrain.bridge import dgrd  # noqa: E402
 from dtrain.bridge.gate import DEFAULT_MAX_SAMPLES_PER_PACKET  # noqa: E402
 from dtrain.clients.contribute import ContributeConfig, Contributor  # noqa: E402
-from dtrain.node.train import robust  # noqa: E402
+from dtrain.node.train import reference, robust  # noqa: E402
+from dtrain.node.train.ledger import ContributorLedger, ScoringConfig  # noqa: E402
 from dtrain.node.config import DEFAULT_STATIC_DIR, ModelConfig, TrainConfig  # noqa: E402
 from dtrain.node import corpus  # noqa: E402
 from dtrain.node.contribution import Contribution, add_sections  # noqa: E402
@@ -45,7 +50,8 @@ from dtrain.node.data import TokenDataset  # noqa: E402
 from dtrain.node.model import build_model  # noqa: E402
 from dtrain.node.tokenizer import load_tokenizer  # noqa: E402
 
-ATTACKS = ("sign_flip", "scaled", "noise", "huge_samples", "little_is_enough")
+ATTACKS = ("huge_samples", "sign_flip", "scaled", "noise", "little_is_enough", "sybil")
+SYBIL_PARTIES, SYBIL_IDS = 2, 5
 TOKENS = 338_025  # of the default corpus: as many as tinyshakespeare, the text of the measurements in docs/
 
 
@@ -74,6 +80,11 @@ class Setup:
     def batch(self, hand_over: int, contributor: int) -> np.ndarray:
         rng = np.random.default_rng([self.args.seed, hand_over, contributor])
         return self.train.batch(self.args.batch_size, self.seq_len, rng)
+
+    def own_batch(self, hand_over: int) -> np.ndarray:
+        """The node's own data for its reference at a hand-over: batches no contributor is given."""
+        rng = np.random.default_rng([self.args.seed, hand_over, 1_000_003])
+        return self.train.batch(self.args.reference_batch, self.seq_len, rng)
 
     def new_model(self):
         model = build_model(self.model_config)
@@ -115,6 +126,7 @@ def run_baseline(setup: Setup) -> dict:
     return {"loss": setup.held_out_loss(model), "refused": 0, "flagged_bad": 0, "flagged_honest": 0}
 
 
+
 def little_is_enough(honest: list[Contribution], elements, n: int, n_bad: int, step: int, node_id: str) -> bytes:
     s = n // 2 + 1 - n_bad
     z = NormalDist().inv_cdf((n - s) / n)
@@ -138,7 +150,7 @@ def _one(row, tid):
 
 
 def run_swarm(setup: Setup, mode: str, config: robust.RobustConfig | None, attack: str | None, fraction: float,
-              max_samples: int) -> dict:
+              max_samples: int, use_reference: bool = True) -> dict:
     args = setup.args
     model, opt = setup.new_model()
     k, n_bad = args.contributors, int(round(args.contributors * fraction)) if attack else 0
@@ -150,14 +162,32 @@ def run_swarm(setup: Setup, mode: str, config: robust.RobustConfig | None, attac
         c.residual = [np.zeros(e, np.float32) for e in setup.elements]
         contributors.append(c)
     aggregator = robust.RobustAggregator(config, setup.elements) if config is not None else None
+    judged = aggregator is not None and use_reference and args.reference_batch > 0
+    ledger = ContributorLedger(scoring=ScoringConfig(enabled=judged))
     rng = np.random.default_rng(args.seed)
-    refused = flagged_bad = flagged_honest = 0
+    refused = flagged_bad = flagged_honest = forbidden = 0
+    ref_seconds = []
+    bad_ids = set()
     for h in range(args.hand_overs):
         packets = {}
+        party_packets = {}
         for i, c in enumerate(contributors):
             batch = setup.batch(h, i)
             loss, grads = c.compute(batch)
             samples = batch.shape[0]
+            if i < n_bad and attack == "sybil":
+                party = i % SYBIL_PARTIES
+                if party not in party_packets:  # the party's one packet, error feedback on its first slot
+                    party_packets[party] = c.make_packet(h, loss, [-g for g in grads], max_samples)
+                    c.residual = c.pending_residual
+                nid = f"party{party}-{(h + i // SYBIL_PARTIES) % SYBIL_IDS}"
+                p = dgrd.decode(party_packets[party], setup.elements)
+                packets[nid] = dgrd.encode(h, nid, p.train_loss, p.samples,
+                                           [(s.tensor_id, s.indices, s.values) for s in p.sections])
+                bad_ids.add(nid)
+                continue
+            if i < n_bad:
+                bad_ids.add(c.node_id)
             if i < n_bad and attack in ("sign_flip", "huge_samples"):
                 grads = [-g for g in grads]
                 samples = max_samples if attack == "huge_samples" else samples
@@ -183,23 +213,36 @@ def run_swarm(setup: Setup, mode: str, config: robust.RobustConfig | None, attac
                 nid = contributors[i].node_id
                 p = dgrd.decode(little_is_enough(honest, setup.elements, k, n_bad, h, nid), setup.elements)
                 contribs.append(Contribution(p.node_id, p.step, p.samples, p.train_loss, p.sections))
+        if judged:  # the node's 403: scored-out contributors' packets never reach the aggregation
+            kept = [c for c in contribs if ledger.refusal(c.contributor) is None]
+            forbidden += len(contribs) - len(kept)
+            contribs = kept
         if aggregator is None:
             sums = [np.zeros(e, np.float32) for e in setup.elements]
             for c in contribs:
                 add_sections(sums, c.sections, float(c.samples))
             samples = sum(c.samples for c in contribs)
         else:
-            state = [opt.state.get(p, {}).get("exp_avg") for p in model.parameters()]
-            reference = None if any(m is None for m in state) else [m.reshape(-1).numpy() for m in state]
-            result = aggregator.aggregate(contribs, reference)
+            ids = {c.contributor for c in contribs}
+            if judged:
+                ref = reference.compute(model, setup.own_batch(h), h)
+                ref_seconds.append(ref.seconds)
+                result = aggregator.aggregate(contribs, ref.gradient, trusted=True, ramps=ledger.ramps(ids),
+                                              excluded=ledger.excluded(ids))
+            else:
+                state = [opt.state.get(p, {}).get("exp_avg") for p in model.parameters()]
+                ref = None if any(m is None for m in state) else [m.reshape(-1).numpy() for m in state]
+                result = aggregator.aggregate(contribs, ref)
+            ledger.record_aggregate(result)
             sums, samples = result.sums, result.samples
-            bad_ids = {contributors[i].node_id for i in range(n_bad)}
-            flagged_bad += sum(r.outlier for r in result.reports if r.contributor in bad_ids)
-            flagged_honest += sum(r.outlier for r in result.reports if r.contributor not in bad_ids)
-        if not apply(model, opt, sums, samples):
+            flagged_bad += sum(r.outlier or r.weight == 0 for r in result.reports if r.contributor in bad_ids)
+            flagged_honest += sum(r.outlier or r.weight == 0 for r in result.reports if r.contributor not in bad_ids)
+        if samples == 0 or not apply(model, opt, sums, samples):
             refused += 1
-    return {"loss": setup.held_out_loss(model), "refused": refused, "flagged_bad": flagged_bad,
-            "flagged_honest": flagged_honest}
+    return {"loss": setup.held_out_loss(model), "refused": refused, "flagged_bad": flagged_bad + forbidden,
+            "flagged_honest": flagged_honest, "forbidden": forbidden,
+            "ref_ms": 1000 * float(np.mean(ref_seconds)) if ref_seconds else None,
+            "scored_out": ledger.summary().scored_out}
 
 
 def main():
@@ -225,28 +268,40 @@ def main():
     p.add_argument("--clip-multiple", type=float, default=defaults.clip_multiple)
     p.add_argument("--tau-multiple", type=float, default=defaults.tau_multiple)
     p.add_argument("--max-weight-multiple", type=float, default=defaults.max_weight_multiple)
-    p.add_argument("--direction-check", type=float, default=None, metavar="MIN_COSINE",
-                   help="also rows with the direction check at this min_cosine (the node's --min-cosine)")
-    p.add_argument("--direction-attacks", default="sign_flip,little_is_enough,huge_samples")
+    p.add_argument("--reference-batch", type=int, default=4,
+                   help="sequences of the node's own data per reference gradient (the node's --reference-batch)")
+    p.add_argument("--no-reference", action="store_true",
+                   help="no trusted reference and no contributor scoring (the node's --reference-batch 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--plot", default="", help="PNG path for a bar plot (needs matplotlib)")
     p.add_argument("--plot-table", default="", help="only plot the table in this earlier output file to --plot")
+    p.add_argument("--reference-cost", nargs="*", metavar="MODEL_CONFIG",
+                   help="only time the reference gradient (--reference-batch x --seq-len, full vocabulary) on these "
+                        "model configs (default: configs/tiny.json and the node's default model)")
     args = p.parse_args()
+    if args.reference_cost is not None:
+        torch.set_num_threads(args.threads)
+        reference_cost(args.reference_cost or ["configs/tiny.json", str(DEFAULT_STATIC_DIR / "model_config.json")],
+                       args.reference_batch, args.seq_len)
+        return
     if args.plot_table:
         plot_table(args.plot_table, args.plot)
         return
     torch.set_num_threads(args.threads)
     setup = Setup(args)
+    use_reference = not args.no_reference and args.reference_batch > 0
     robust_cfg = robust.RobustConfig(method=args.method, clip_multiple=args.clip_multiple,
                                      tau_multiple=args.tau_multiple, max_weight_multiple=args.max_weight_multiple,
-                                     max_samples=args.max_samples)
+                                     max_samples=args.max_samples, min_cosine=0.0 if use_reference else None)
     samples = args.hand_overs * args.contributors * args.batch_size
     print(f"# {setup.model_config.name}: {sum(setup.elements):,} parameters; {args.hand_overs} hand-overs x "
           f"{args.contributors} packets x {args.batch_size} x {setup.seq_len} tokens = {samples:,} sequences per run; "
           f"held-out loss on {args.eval_sequences} sequences; robust default {robust_cfg.method}, "
           f"clip {robust_cfg.clip_multiple}x median, tau {robust_cfg.tau_multiple}x, weight <= "
-          f"{robust_cfg.max_weight_multiple}x median\n", flush=True)
+          f"{robust_cfg.max_weight_multiple}x median; "
+          + (f"trusted reference on {args.reference_batch} sequences, ledger scoring" if use_reference else
+             "no reference") + "\n", flush=True)
 
     runs = [] if args.no_dense else [("single-process dense baseline (AdamW)", None, None, None, 0.0, "baseline"),
                                      ("dense honest, plain mean", "dense", None, None, 0.0, "dense")]
@@ -257,23 +312,17 @@ def main():
             runs.append((f"{attack} {int(f * 100)}%, robust default", "sparse", robust_cfg, attack, f, f"{attack}_{f}"))
             if args.plain_attacks:
                 runs.append((f"{attack} {int(f * 100)}%, plain mean", "sparse", None, attack, f, f"{attack}_{f}_p"))
-    if args.direction_check is not None:
-        checked = dataclasses.replace(robust_cfg, min_cosine=args.direction_check)
-        worst = max(float(x) for x in args.fractions.split(","))
-        tag = f"robust + direction check ({args.direction_check:g})"
-        runs.append((f"top-1% honest, {tag}", "sparse", checked, None, 0.0, "honest_direction"))
-        for attack in args.direction_attacks.split(","):
-            runs.append((f"{attack} {int(worst * 100)}%, {tag}", "sparse", checked, attack, worst, f"{attack}_dir"))
     results = {}
     start_loss = setup.held_out_loss(setup.new_model()[0])
     print(f"held-out loss before training: {start_loss:.4f}; 'progress kept' is (start - loss) / (start - honest "
           f"top-1% plain loss)\n")
-    print("| run | held-out loss | vs honest top-1% plain | progress kept | updates refused (non-finite) | "
-          "attacker packets flagged | honest packets flagged | wall s |")
-    print("|---|---|---|---|---|---|---|---|", flush=True)
+    print("| run | held-out loss | vs honest top-1% plain | progress kept | updates skipped | "
+          "attacker packets flagged | honest packets flagged | ids scored out | reference ms/update | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for label, mode, cfg, attack, f, key in runs:
         started = time.perf_counter()
-        r = run_baseline(setup) if mode is None else run_swarm(setup, mode, cfg, attack, f, args.max_samples)
+        r = run_baseline(setup) if mode is None else run_swarm(setup, mode, cfg, attack, f, args.max_samples,
+                                                                use_reference)
         r["wall_s"] = time.perf_counter() - started
         results[key] = (label, r)
         ref = results.get("honest_plain", (None, r))[1]["loss"]
@@ -283,11 +332,30 @@ def main():
         flagged = f"{r['flagged_bad']}/{n_bad}" if attack and cfg is not None else "-"  # the plain mean flags none
         honest_n = (args.contributors - int(round(args.contributors * f))) * args.hand_overs
         honest_flagged = f"{r['flagged_honest']}/{honest_n}" if cfg is not None else "-"
+        ref_ms = "-" if r.get("ref_ms") is None else f"{r['ref_ms']:.1f}"
+        scored = r.get("scored_out", "-") if cfg is not None else "-"
         print(f"| {label} | {r['loss']:.4f} | {rel} | {kept} | {r['refused']} | {flagged} | {honest_flagged} | "
-              f"{r['wall_s']:.0f} |", flush=True)
+              f"{scored} | {ref_ms} | {r['wall_s']:.0f} |", flush=True)
     if args.plot:
         plot([(label, r["loss"]) for label, r in results.values()], start_loss, results["honest_plain"][1]["loss"],
              args.plot, setup.model_config.name)
+
+
+def reference_cost(configs: list[str], batch: int, seq_len: int, repeats: int = 10) -> None:
+    """Wall ms of one reference gradient (train/reference.compute) per model config: what a node adds per step."""
+    tokens = corpus.default_tokens()[:TOKENS]
+    data = TokenDataset(tokens)
+    print(f"| model | parameters | reference batch | ms per reference (median of {repeats}) | min | max |")
+    print("|---|---|---|---|---|---|")
+    for path in configs:
+        config = ModelConfig.load(path)
+        model = build_model(config)
+        rng = np.random.default_rng(0)
+        n = min(seq_len, config.max_seq_len)
+        reference.compute(model, data.batch(batch, n, rng), 0)  # warm-up
+        ms = [1000 * reference.compute(model, data.batch(batch, n, rng), i).seconds for i in range(repeats)]
+        print(f"| {config.name} | {sum(p.numel() for p in model.parameters()):,} | {batch} x {n} | "
+              f"{np.median(ms):.1f} | {min(ms):.1f} | {max(ms):.1f} |", flush=True)
 
 
 def plot(rows: list[tuple[str, float]], start: float, ref: float, path: str, name: str) -> None:

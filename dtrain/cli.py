@@ -73,7 +73,10 @@ def build(config: NodeConfig) -> Built:
     # a node alone still makes one update per min_nodes_for_update contributors
     served = (dataset if dataset is not None else load_corpus()) if config.serve_data else None
 
-    node = TrainingNode(config, model_config, train_config, dataset)
+    # the trusted reference is the node's own gradient on its own text: --train-data, else the packaged corpus
+    own = dataset if dataset is not None else (served if served is not None else load_corpus())
+    node = TrainingNode(config, model_config, train_config, dataset,
+                        reference_data=own if config.reference_batch > 0 else None)
     logger.info(f"Model {model_config.name}: {node.total_params:,} parameters; joining the swarm")
     node.start()  # on the main thread: hivemind's averagers install signal handlers
     try:

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from dtrain.cli import build
 from dtrain.flags import parse_config
+from tests.nodeproc import REFERENCE_OFF
 
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 30.0
@@ -58,7 +59,8 @@ class InProcessNode:
     def __init__(self, name: str, args: Sequence[str], run_id: str):
         self.name = name
         argv = ["--host", "127.0.0.1", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-id", run_id,
-                "--matchmaking-time", "2.5", "--request-timeout", "1.0", "--averaging-timeout", "8", *args]
+                "--matchmaking-time", "2.5", "--request-timeout", "1.0", "--averaging-timeout", "8",
+                *REFERENCE_OFF, *args]
         self._log = _Lines()
         root = logging.getLogger()
         self._level = root.level

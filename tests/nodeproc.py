@@ -18,6 +18,11 @@ from typing import Callable, Optional, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_CONFIG = REPO / "configs" / "tiny.json"
+# Test nodes judge no contribution against a reference of their own (the default judges each against the node's own
+# gradient, docs/robustness.md): most tests send synthetic gradients, random numbers that are no gradient of the
+# node's data, and check exact means of them. Tests of the reference and of scoring pass `--reference-batch 4` after
+# it (the last flag wins) and send real gradients.
+REFERENCE_OFF = ("--reference-batch", "0")
 DIGEST_RE = re.compile(r"step (\d+) params sha256 ([0-9a-f]{64})")
 NORM_RE = re.compile(r"step (\d+) params sha256 [0-9a-f]{64} l2 (\S+)")
 MADDR_RE = re.compile(r"^\s+(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\S+)\s*$")
@@ -97,7 +102,8 @@ class NodeProcess:
         self.netns = netns
         self.port = free_port()
         argv = ["--host", "127.0.0.1", "--port", str(self.port), "--host-maddrs", host_maddrs,
-                "--run-id", run_id, "--matchmaking-time", "2.5", "--request-timeout", "1.0", "--averaging-timeout", "8"]
+                "--run-id", run_id, "--matchmaking-time", "2.5", "--request-timeout", "1.0", "--averaging-timeout", "8",
+                *REFERENCE_OFF]
         if initial_peers:
             argv += ["--initial-peers", *initial_peers]
         argv += list(args)

@@ -7,7 +7,7 @@ import pytest
 
 from dtrain.node.train import robust
 from dtrain.node.contribution import Contribution, Section
-from dtrain.node.train.ledger import ContributorLedger, RejectReason
+from dtrain.node.train.ledger import ContributorLedger, LedgerConfigError, RejectReason, ScoringConfig
 
 pytestmark = pytest.mark.unit
 
@@ -96,3 +96,53 @@ def test_records_are_snapshots():
     snap = ledger.get("a")
     snap.rejected["malformed"] = 99
     assert ledger.get("a").rejected == {"malformed": 1}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# scoring over time against the node's trusted reference
+
+
+def judged(cosines: dict[str, float]) -> robust.Aggregate:
+    """A hand-over whose packets were judged against a trusted reference with these cosines."""
+    reports = tuple(robust.ContributorReport(contributor=who, samples=2, weight=2 if cos > 0 else 0, norm=1.0,
+                                             clip_factor=1.0, center_factor=1.0, cosine=cos, outlier=cos <= 0,
+                                             trusted=True)
+                    for who, cos in cosines.items())
+    return robust.Aggregate((), (8,), sum(r.weight for r in reports), 6.0, None, "centered_clip", reports)
+
+
+def test_a_persistently_disagreeing_contributor_is_scored_out_and_an_honest_one_never():
+    scoring = ScoringConfig(window=16, min_judged=8, min_agree_fraction=0.5, ramp_agreed=4)
+    ledger = ContributorLedger(clock=Clock(), scoring=scoring)
+    for i in range(7):  # honest: agrees 6 of 7 times; the flipper never
+        ledger.record_aggregate(judged({"honest": 0.2 if i != 3 else -0.01, "flipper": -0.2}))
+    assert ledger.refusal("flipper") is None and not ledger.get("flipper").scored_out  # 7 judged: not yet
+    ledger.record_aggregate(judged({"honest": 0.3, "flipper": -0.3}))
+    message = ledger.refusal("flipper")
+    assert message is not None and "flipper" in message and "0 of its last 8" in message
+    f, h = ledger.get("flipper"), ledger.get("honest")
+    assert (f.agreed, f.disagreed, f.score, f.ramp, f.scored_out) == (0, 8, 0.0, 0.0, True)
+    assert (h.agreed, h.disagreed, h.score, h.ramp, h.scored_out) == (7, 1, 7 / 8, 1.0, False)
+    assert ledger.refusal("honest") is None and ledger.excluded(["honest", "flipper", "x"]) == {"flipper"}
+    assert ledger.summary().scored_out == 1
+    ledger.record_aggregate(judged({"flipper": 0.9}))  # scored out for good: nothing more is scored
+    assert ledger.get("flipper").agreed == 0 and ledger.refusal("flipper") is not None
+
+
+def test_a_new_contributor_ramps_up_with_agreeing_contributions():
+    ledger = ContributorLedger(clock=Clock(), scoring=ScoringConfig(ramp_agreed=4))
+    assert ledger.ramps(["new"]) == {"new": 0.0}
+    for expected in (0.25, 0.5, 0.75, 1.0, 1.0):
+        ledger.record_aggregate(judged({"new": 0.1}))
+        assert ledger.ramps(["new"]) == {"new": expected}
+    ledger.record_aggregate(judged({"new": -0.1}))  # a disagreeing one earns nothing
+    assert ledger.get("new").ramp == 1.0 and ledger.get("new").disagreed == 1
+
+
+def test_scoring_off_judges_nobody_and_gives_everyone_the_full_multiple():
+    ledger = ContributorLedger(clock=Clock(), scoring=ScoringConfig(enabled=False))
+    for _ in range(40):
+        ledger.record_aggregate(judged({"flipper": -0.5}))
+    assert ledger.refusal("flipper") is None and ledger.ramps(["flipper", "new"]) == {"flipper": 1.0, "new": 1.0}
+    with pytest.raises(LedgerConfigError):
+        ScoringConfig(window=4, min_judged=8)

@@ -49,8 +49,9 @@ def nodes(tmp_path_factory):
     (tmp / "train.json").write_text(json.dumps({**train, "min_nodes_for_update": 2}))
     started = {}
     try:
+        # judges contributions against its own gradient (the default; tests turn it off): the 403 of a scored-out one
         started["node"] = _start("openapi", ["--model-config", str(TINY_CONFIG), "--target-batch-size", "1",
-                                             "--capture-db", str(capture)])
+                                             "--capture-db", str(capture), "--reference-batch", "4"])
         # records nothing, and decodes one sequence with nobody waiting: the /v1 answers 429 and feedback's 404
         started["other"] = _start("openapi-other", ["--model-config", str(TINY_CONFIG), "--no-data",
                                                     "--split-model", str(split_dir), "--no-capture",
@@ -233,6 +234,19 @@ def _upgrade(node) -> None:
     asyncio.run(run())
 
 
+def _scored_out(node) -> None:
+    """Submit's 403: sign-flipped real gradients until the node's ledger scores their sender out."""
+    from tests.test_reference_http import contributor, ledger, post, real_packet
+
+    flipper = contributor(node, "openapi-flipper")
+    step = current_step(node)
+    for i in range(8):
+        assert post(node, real_packet(flipper, step, lambda g: -g))[0] == 200
+        wait_until(lambda: ledger(node)["openapi-flipper"]["disagreed"] == i + 1, 30, "the flipped packet judged")
+    status, body = post(node, real_packet(flipper, step, lambda g: -g))
+    assert status == 403 and "openapi-flipper" in body["message"], body
+
+
 def test_every_documented_status_is_answered_and_no_other(nodes):
     doc = nodes["node"].get_json("/api/v1/openapi.json")
     assert doc == openapi.document()
@@ -246,6 +260,7 @@ def test_every_documented_status_is_answered_and_no_other(nodes):
             assert a.headers["Content-Type"].split(";")[0] in media, (path, a.headers["Content-Type"], media)
         if a.headers["Content-Type"].startswith(openapi.JSON):
             json.loads(a.body)
+    _scored_out(nodes["node"])  # submit's 403
     _upgrade(nodes["node"])  # the stream's 101
     _feedback_ok(nodes["node"])
     model = TINY["name"]

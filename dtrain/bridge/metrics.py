@@ -26,7 +26,7 @@ TENSOR_ROUTE = "/api/v1/model/tensor/{id}"
 FORWARD_ROUTE = "/api/v1/split/forward"
 UNMATCHED = "(unmatched)"  # route label of paths no route matched: a bounded label set whatever clients send
 # why the node refused a packet, by the status /api/v1/train/submit answered (bridge/training_routes.py)
-REJECT_REASONS = {400: "malformed", 409: "step_mismatch", 411: "no_content_length", 413: "too_large",
+REJECT_REASONS = {400: "malformed", 403: "scored_out", 409: "step_mismatch", 411: "no_content_length", 413: "too_large",
                   500: "internal", 503: "node_busy"}
 BYTES_PER_ELEMENT = {"f16": 2, "f32": 4}
 FORWARD_BUCKETS_S = (0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -46,6 +46,9 @@ class NodeNumbers:
     carried_samples: int  # missed at least one update and went into a later one
     pending_samples: int  # handed to the training thread, not applied yet
     pending_contributors: int  # contributors gathered towards the next hand-over
+    references: int  # trusted reference gradients computed (node/train/reference.py)
+    reference_seconds: float  # their total wall time
+    scored_out: int  # contributors refused for their record (node/train/ledger.py)
 
 
 def read_node(node) -> NodeNumbers:
@@ -78,6 +81,12 @@ class _LiveCollector:
                                 value=n.pending_samples)
         yield GaugeMetricFamily("dtrain_pending_contributors", "Contributors gathered towards the next update",
                                 value=n.pending_contributors)
+        yield CounterMetricFamily("dtrain_reference_gradients", "Trusted reference gradients the node computed on its "
+                                  "own data (one per step with contributions)", value=n.references)
+        yield CounterMetricFamily("dtrain_reference_seconds", "Wall seconds spent computing reference gradients",
+                                  value=n.reference_seconds)
+        yield GaugeMetricFamily("dtrain_scored_out_contributors", "Contributors refused (403) because their record "
+                                "disagreed with the node's reference", value=n.scored_out)
         if self._split is not None:
             yield GaugeMetricFamily("dtrain_split_sessions", "KV-cached split-inference sessions alive",
                                     value=self._split.service.engine.session_count())

@@ -143,6 +143,8 @@ def _paths() -> dict:
                 401: _json("a closed node (--contributor-tokens) and no 'Authorization: Bearer <token>' naming one "
                            "of its tokens; answered before the body is read, nothing applied",
                            _ref("Error"), ("WWW-Authenticate",)),
+                403: _error("this node_id is scored out: too few of its recent contributions agreed with the node's "
+                            "own gradient (the message says how many); nothing applied (docs/robustness.md)"),
                 409: _error("the packet's step is outside the late window; fetch the latest model (server_step)"),
                 429: _json("this node_id (or, with an address limit, this client address) is over its rate limit "
                            "(--rate-limit, --rate-burst); nothing applied, retry after Retry-After seconds",

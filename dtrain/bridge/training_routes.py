@@ -167,6 +167,10 @@ def _ingest(node, body: Body, state, gate, ledger: ContributorLedger) -> int:
         if e.reason is not None:
             ledger.rejected(packet.node_id, e.reason)
         raise
+    refusal = ledger.refusal(packet.node_id)  # scored out for its record (node/train/ledger.py)
+    if refusal is not None:
+        ledger.rejected(packet.node_id, RejectReason.SCORED_OUT)
+        raise ApiError(403, refusal, server_step=node.step)
     try:
         step = node.submit(contribution(packet))
     except StepMismatch as e:

@@ -164,8 +164,19 @@ class NodeConfig:
     norm_bound: Optional[float] = option(None, "--norm-bound", "fixed L2 bound of one contribution's gradient "
                                                                "(default: 4x the running median norm)")
     min_cosine: Optional[float] = option(None, "--min-cosine", "direction check: a contribution whose cosine with the "
-                                         "node's Adam momentum is below this counts with weight 0, e.g. -0.05 "
-                                         "(default: off; it stops sign-flipped gradients but may drop an honest one)")
+                                         "reference direction is not above this counts with weight 0 (default: 0 "
+                                         "against the node's own gradient; with --reference-batch 0 off, or against "
+                                         "the Adam momentum when given, e.g. -0.05)")
+    reference_batch: int = option(4, "--reference-batch", "sequences of the node's own data (--train-data, else the "
+                                  "packaged corpus) whose gradient is the trusted reference each contribution is "
+                                  "judged against, once per step (0: no reference)")
+    max_weight_multiple: float = option(4.0, "--max-weight-multiple", "a packet counts with at most this multiple of "
+                                        "the median samples contributors claim (a new contributor: 1x until its "
+                                        "record agrees with the reference; 0: off)")
+    contributor_scoring: bool = option(True, "--no-contributor-scoring", "keep no per-contributor record of "
+                                       "agreement with the reference (default: a persistently disagreeing "
+                                       "contributor is refused with 403, new ones ramp up)",
+                                       action="store_false", dest="contributor_scoring")
     # memory: accepted packets wait in the node's pool until its training thread takes them (during an update it
     # takes none); many node_ids may pile up packets meanwhile
     max_pending_mib: int = option(512, "--max-pending-mib", "MiB of accepted packets a node holds before its "
@@ -177,6 +188,11 @@ class NodeConfig:
     def __post_init__(self):
         if not isinstance(self.max_pending_mib, int) or self.max_pending_mib < 0:
             raise ConfigError(f"max_pending_mib must be an integer >= 0 (0: no bound), got {self.max_pending_mib!r}")
+        if not 0 <= self.reference_batch <= 256:
+            raise ConfigError(f"reference_batch must be in [0, 256] sequences (0: no reference), "
+                              f"got {self.reference_batch!r}")
+        if not self.max_weight_multiple >= 0:
+            raise ConfigError(f"max_weight_multiple must be >= 0 (0: off), got {self.max_weight_multiple!r}")
 
     @property
     def max_pending_bytes(self) -> Optional[int]:

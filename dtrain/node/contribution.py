@@ -100,6 +100,7 @@ class Contribution:
     samples: int  # its weight in the samples-weighted mean
     loss: float  # mean training loss over those samples
     sections: Sequence[AnySection]  # a tuple, or a decoded packet's LazySections
+    own: bool = False  # made by this node itself (its feedback training): never judged against its reference
 
     @property
     def nbytes(self) -> int:

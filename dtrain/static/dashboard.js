@@ -132,19 +132,31 @@ function drawLoss(losses) {
   setText("loss-summary", vals.length ? `· ${vals.length} update${vals.length === 1 ? "" : "s"}, latest ${fmtNum(last)}` : "");
 }
 
-// the contributor ledger: who contributed what to this node, and what it refused or clipped
+// a contributor's standing: refused for its record, or how much of the weight multiple its record earned
+function standing(r) {
+  if (r.scored_out) return "refused (403)";
+  const ramp = Number(r.ramp ?? 1);
+  return ramp >= 1 ? "full weight" : `new: ${Math.round(100 * ramp)}% earned`;
+}
+
+// the contributor ledger: who contributed what to this node, what it refused or clipped, and its record against
+// the node's own gradient (agreeing contributions of those judged)
 function renderLedger(ledger) {
   const body = $("ledger-body");
   body.replaceChildren();
   const rows = Array.isArray(ledger.contributors) ? ledger.contributors : [];
-  setText("ledger-summary", `${fmtInt(ledger.summary?.contributors ?? rows.length)} known`);
-  if (!rows.length) return emptyRow(body, 6, "no contributions yet");
+  const out = ledger.summary?.scored_out ? `, ${fmtInt(ledger.summary.scored_out)} refused` : "";
+  setText("ledger-summary", `${fmtInt(ledger.summary?.contributors ?? rows.length)} known${out}`);
+  if (!rows.length) return emptyRow(body, 8, "no contributions yet");
   for (const r of rows) {
     const rejected = Object.entries(r.rejected || {}).map(([why, n]) => `${n} ${why}`).join(", ") || "0";
+    const judged = (r.agreed ?? 0) + (r.disagreed ?? 0);
+    const agreed = judged ? `${fmtInt(r.agreed)} of ${fmtInt(judged)}` : "-";
     const tr = document.createElement("tr");
     tr.dataset.nodeId = r.node_id;
+    if (r.scored_out) tr.classList.add("refused");
     for (const text of [r.node_id, fmtInt(r.accepted), rejected, fmtInt(r.outliers), fmtInt(r.samples_credited),
-                        fmtAge(r.last_seen_s)]) {
+                        agreed, standing(r), fmtAge(r.last_seen_s)]) {
       const td = document.createElement("td");
       td.textContent = String(text);
       tr.append(td);

@@ -146,7 +146,7 @@ class FeedbackTrainer:
             self._store.mark_trained(keys, snap.step)
             return FeedbackRound(snap.step, 0, len(rows), 0.0)
         contribution = Contribution(CONTRIBUTOR, snap.step, used, loss,
-                                    tuple(Section(i, None, g) for i, g in enumerate(grads)))
+                                    tuple(Section(i, None, g) for i, g in enumerate(grads)), own=True)
         try:
             self._node.submit(contribution)
         except StepMismatch as e:  # the node moved too far while we computed: the rows wait for the next round

@@ -36,7 +36,7 @@ import hashlib
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 from hivemind.utils.logging import get_logger
@@ -85,16 +85,28 @@ class RobustConfig:
     trim_fraction: float = 0.2
     # A contribution's weight is at most this multiple of the median samples (unitless), of the hand-over
     # (with MIN_FOR_MEDIAN contributions or more) and of recent history (once min_norms were seen); 0: off.
-    # Off by default: honest browsers train different batch sizes, and NOTES.md wants their exact weighted mean;
-    # the gate's max_samples_per_packet (passed as max_samples) is the weight bound then.
-    max_weight_multiple: float = 0.0
+    # On by default: a claimed `samples` is a claim. 4x leaves honest browsers that train up to four times the
+    # usual batch their exact weighted mean, and lets a packet claiming the gate's largest `samples` (256, when
+    # browsers train 2) count as 8 samples, not 256 (bench/bench_robust.py, docs/robustness.md).
+    max_weight_multiple: float = 4.0
     # A contribution's weight is at most this many samples whatever the medians say; None: no fixed cap.
     # The node passes its max_samples_per_packet, so it holds even for packets that bypassed the gate.
     max_samples: Optional[int] = None
-    # A contribution whose cosine with the reference direction (the node's Adam exp_avg) is below this counts with
-    # weight 0 (unitless, -1 .. <1); None: no direction check. Honest top-1% packets of the bench sit at +0.15 or more
-    # against the momentum (docs/robustness.md), sign-flipped ones at minus that. Off by default (module docstring).
+    # A contribution whose cosine with the reference direction is not above this counts with weight 0 (unitless,
+    # -1 .. <1); None: no direction check. The node sets it to 0 when it has a trusted reference (its own gradient,
+    # FLTrust's ReLU(cosine) gate); against the Adam momentum (no reference) it is opt-in (module docstring).
     min_cosine: Optional[float] = None
+    # With a trusted reference: each contribution's L2 norm is clipped to this multiple of the reference's norm
+    # (unitless; 0: no such bound). FLTrust normalises every update to the reference norm; a bound instead leaves
+    # honest packets alone: top-k packets with error feedback carry their residual, and measured 3-4x the norm of the
+    # node's dense batch-4 gradient (bench/bench_robust.py), so 8x. Unlike the history bound, no one but the node
+    # writes it.
+    reference_norm_multiple: float = 8.0
+    # Contributions of one hand-over whose cosine with each other is above this count once (the first in canonical
+    # order keeps its weight, the others count 0): one party sending the same gradient through many node_ids, or
+    # "a little is enough" attackers sending one computed vector. Honest packets of different batches share a few
+    # coordinates (cosine near 0). None: off.
+    duplicate_cosine: Optional[float] = 0.99
     # Reported train_loss is clamped to [0, max_loss] (nats): cross-entropy is never negative, and one
     # packet must not move the loss history anywhere.
     max_loss: float = 100.0
@@ -119,6 +131,10 @@ class RobustConfig:
             raise RobustConfigError(f"max_loss must be > 0, got {self.max_loss}")
         if self.min_cosine is not None and not -1.0 <= self.min_cosine < 1.0:
             raise RobustConfigError(f"min_cosine must be in [-1, 1) or None, got {self.min_cosine!r}")
+        if self.reference_norm_multiple < 0:
+            raise RobustConfigError(f"reference_norm_multiple must be >= 0, got {self.reference_norm_multiple!r}")
+        if self.duplicate_cosine is not None and not 0 < self.duplicate_cosine <= 1:
+            raise RobustConfigError(f"duplicate_cosine must be in (0, 1] or None, got {self.duplicate_cosine!r}")
         if self.max_samples is not None and self.max_samples < 1:
             raise RobustConfigError(f"max_samples must be >= 1 or None, got {self.max_samples!r}")
 
@@ -126,7 +142,7 @@ class RobustConfig:
     def plain(cls) -> "RobustConfig":
         """No defence at all: the plain samples-weighted mean (the spec's single server, unguarded)."""
         return cls(method="mean", clip_multiple=0.0, warmup_norm_bound=None, max_weight_multiple=0.0,
-                   max_loss=float(np.finfo(np.float32).max))
+                   reference_norm_multiple=0.0, duplicate_cosine=None, max_loss=float(np.finfo(np.float32).max))
 
 
 @dataclass(frozen=True)
@@ -141,6 +157,8 @@ class ContributorReport:
     center_factor: float  # CenteredClip's c_i in the last iteration (1.0: pulled in fully); 1.0 for other methods
     cosine: Optional[float]  # with the reference direction (weight 0 below min_cosine); None: not checked
     outlier: bool  # any of the above changed its share, or its loss was clamped
+    duplicate: bool = False  # counted 0: a near-copy of another contribution of the hand-over (duplicate_cosine)
+    trusted: bool = False  # `cosine` is against the node's own gradient (a trusted reference), not its momentum
 
 
 @dataclass(frozen=True)
@@ -255,13 +273,47 @@ def _row_norms(mats, center=None) -> np.ndarray:
     return np.sqrt(sq)
 
 
-def _weights(samples: np.ndarray, config: RobustConfig, samples_bound: Optional[int]) -> np.ndarray:
-    caps = [c for c in (config.max_samples, samples_bound) if c is not None]
+def _weights(samples: np.ndarray, config: RobustConfig, samples_bound: Optional[int],
+             ramps: Optional[np.ndarray] = None) -> np.ndarray:
+    """Each claimed `samples` bounded: by `max_samples`, and by `max_weight_multiple` x the median samples (of recent
+    history, `samples_bound`, and of this hand-over). `ramps` (per contribution, 0..1: how far its contributor's
+    record has earned the full multiple) shrinks the median bound of a contributor with no record yet to 1x the
+    median: a new node_id counts as much as a typical contributor, never more."""
+    fixed = config.max_samples
+    median_caps = [float(samples_bound)] if samples_bound is not None else []
     if config.max_weight_multiple > 0 and samples.size >= MIN_FOR_MEDIAN:
-        caps.append(config.max_weight_multiple * float(np.median(samples)))
-    if not caps:
-        return samples.copy()
-    return np.minimum(samples, max(1, int(np.floor(min(caps)))))
+        median_caps.append(config.max_weight_multiple * float(np.median(samples)))
+    caps = np.full(samples.size, np.inf)
+    if median_caps:
+        cap = min(median_caps)
+        if ramps is not None and config.max_weight_multiple > 1:
+            m = config.max_weight_multiple
+            cap = cap * (1.0 + (m - 1.0) * np.clip(ramps, 0.0, 1.0)) / m
+        caps = np.maximum(1.0, np.floor(np.broadcast_to(cap, samples.shape)))
+    if fixed is not None:
+        caps = np.minimum(caps, fixed)
+    return np.where(np.isfinite(caps), np.minimum(samples, caps), samples).astype(np.int64)
+
+
+def _duplicates(mats, norms: np.ndarray, w: np.ndarray, threshold: float) -> np.ndarray:
+    """Rows that are near-copies (cosine above `threshold`) of a counted row. Of each group the smallest (by L2 norm
+    as sent, then canonical order) counts: a copy of someone else's packet, scaled, never displaces it."""
+    n = norms.size
+    gram = np.zeros((n, n), np.float64)
+    for _, _, x in mats:
+        x64 = x.astype(np.float64)
+        gram += x64 @ x64.T
+    scale = np.sqrt(np.maximum(np.diag(gram), 0.0))  # norms of the rows as they are now (clipped)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cos = gram / np.outer(scale, scale)
+    dup = np.zeros(n, bool)
+    for i in sorted(range(n), key=lambda r: (norms[r], r)):
+        if dup[i] or w[i] <= 0 or not scale[i] > 0:
+            continue
+        near = (cos[i] > threshold) & (w > 0)
+        near[i] = False
+        dup |= near
+    return dup
 
 
 def _centered_clip(mats, w: np.ndarray, config: RobustConfig) -> tuple[list[np.ndarray], np.ndarray, bool]:
@@ -320,13 +372,18 @@ def _keep_rows(mats, keep: np.ndarray):
 
 def aggregate(contributions: Sequence[Contribution], tensor_elements: Sequence[int],
               config: RobustConfig = RobustConfig(), norm_bound: Optional[float] = None,
-              samples_bound: Optional[int] = None, reference: Optional[Sequence[np.ndarray]] = None) -> Aggregate:
+              samples_bound: Optional[int] = None, reference: Optional[Sequence[np.ndarray]] = None,
+              trusted: bool = False, ramps: Optional[Mapping[str, float]] = None,
+              excluded: frozenset = frozenset()) -> Aggregate:
     """Combine one hand-over's contributions. Pure: same inputs (in any order), same output.
 
     `norm_bound` and `samples_bound` come from the history (`NormTracker.bound()`, `.samples_bound()`),
     None for none; a hand-over of at least `MIN_FOR_MEDIAN` contributions is also bounded by its own
     medians (`clip_multiple` x its median norm, `max_weight_multiple` x its median samples). `reference` (flat
-    float32 per tensor) is the direction `min_cosine` checks against; None, or all zeros, checks nothing.
+    float32 per tensor) is the direction `min_cosine` checks against; None, or all zeros, checks nothing. `trusted`:
+    the reference is the node's own gradient (reference.py), so each norm is also bounded by
+    `reference_norm_multiple` x its norm. `ramps`: per contributor, how much of the weight multiple its record earned
+    (0..1, missing: 1). `excluded`: contributors whose contributions count 0 (scored out by the ledger).
     """
     elements = tuple(int(e) for e in tensor_elements)
     if not contributions:
@@ -334,17 +391,30 @@ def aggregate(contributions: Sequence[Contribution], tensor_elements: Sequence[i
     contribs = _canonical(contributions)
     n = len(contribs)
     claimed = np.array([c.samples for c in contribs], np.int64)
-    w = _weights(claimed, config, samples_bound)
+    is_own = np.array([c.own for c in contribs], bool)  # the node's own: judged by nothing but the bounds
+    ramp = None if ramps is None else np.array([1.0 if c.own else ramps.get(c.contributor, 1.0) for c in contribs],
+                                               np.float64)
+    w = _weights(claimed, config, samples_bound, ramp)
+    w = np.where([c.contributor in excluded and not c.own for c in contribs], 0, w)
     losses = np.array([c.loss for c in contribs], np.float64)
     clamped = np.clip(losses, 0.0, config.max_loss)
 
     mats = _union_matrices(contribs, tensor_elements)
     norms = _row_norms(mats) if mats else np.zeros(n)
+    cosine = np.full(n, np.nan)
+    checked = config.min_cosine is not None and reference is not None and bool(mats)
+    if checked:
+        cosine = np.where(is_own, np.nan, _cosines(mats, norms, reference))  # before clipping: the packets as sent
     bound = norm_bound
     if config.clip_multiple > 0 and n >= MIN_FOR_MEDIAN:
         own = config.clip_multiple * float(np.median(norms))
         if own > 0:
             bound = own if bound is None else min(bound, own)
+    if trusted and reference is not None and config.reference_norm_multiple > 0:
+        ref_norm = config.reference_norm_multiple * float(np.sqrt(sum(float(np.dot(r.astype(np.float64), r))
+                                                                     for r in reference)))
+        if ref_norm > 0 and np.isfinite(ref_norm):
+            bound = ref_norm if bound is None else min(bound, ref_norm)
     clip = np.ones(n)
     if bound is not None:
         clip = np.where(norms > bound, bound / np.maximum(norms, 1e-300), 1.0)
@@ -352,10 +422,12 @@ def aggregate(contributions: Sequence[Contribution], tensor_elements: Sequence[i
             for _, _, x in mats:
                 x *= clip.astype(np.float32)[:, None]
 
-    cosine = np.full(n, np.nan)
-    if config.min_cosine is not None and reference is not None and mats:
-        cosine = _cosines(mats, norms, reference)
-        w = np.where(cosine < config.min_cosine, 0, w)  # nan (nothing to compare) never drops
+    if checked:
+        w = np.where(cosine <= config.min_cosine if trusted else cosine < config.min_cosine, 0, w)  # nan never drops
+    duplicate = np.zeros(n, bool)
+    if config.duplicate_cosine is not None and n >= 2 and mats:
+        duplicate = _duplicates(mats, norms, w, config.duplicate_cosine) & ~is_own
+        w = np.where(duplicate, 0, w)
     keep = w > 0
     center_factor = np.ones(n)
     total = int(w.sum())
@@ -382,7 +454,8 @@ def aggregate(contributions: Sequence[Contribution], tensor_elements: Sequence[i
                           center_factor=float(center_factor[i]),
                           cosine=None if np.isnan(cosine[i]) else float(cosine[i]),
                           outlier=bool(w[i] < claimed[i] or clip[i] < 1 or center_factor[i] < 1
-                                       or clamped[i] != losses[i]))
+                                       or clamped[i] != losses[i]),
+                          duplicate=bool(duplicate[i]), trusted=bool(checked and trusted))
         for i, c in enumerate(contribs))
     return Aggregate(tuple(parts), elements, total, float(np.dot(w.astype(np.float64), clamped)), bound, config.method,
                      reports)
@@ -447,11 +520,13 @@ class RobustAggregator:
         self.tensor_elements = tuple(int(e) for e in tensor_elements)
         self.tracker = NormTracker(config)
 
-    def aggregate(self, contributions: Sequence[Contribution],
-                  reference: Optional[Sequence[np.ndarray]] = None) -> Aggregate:
-        """`reference`: the direction the direction check compares with (the node's Adam exp_avg), if it is on."""
+    def aggregate(self, contributions: Sequence[Contribution], reference: Optional[Sequence[np.ndarray]] = None,
+                  trusted: bool = False, ramps: Optional[Mapping[str, float]] = None,
+                  excluded: frozenset = frozenset()) -> Aggregate:
+        """`reference`: the direction the direction check compares with (the node's own gradient when `trusted`,
+        else its Adam exp_avg), if it is on; `ramps` and `excluded` come from the contributor ledger."""
         result = aggregate(contributions, self.tensor_elements, self.config, self.tracker.bound(),
-                           self.tracker.samples_bound(), reference)
+                           self.tracker.samples_bound(), reference, trusted, ramps, excluded)
         self.tracker.observe(result)
         for r in result.outliers:
             logger.warning(f"contributor {r.contributor!r}: outlier ({self.config.method}): norm {r.norm:.4g}"

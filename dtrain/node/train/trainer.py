@@ -25,10 +25,11 @@ from dtrain.node.config import ModelConfig, NodeConfig, TrainConfig
 from dtrain.node.contribution import Contribution
 from dtrain.node.data import TokenDataset
 from dtrain.node.train.gradient import PendingGradient
-from dtrain.node.train.ledger import ContributorLedger
+from dtrain.node.train.ledger import ContributorLedger, ScoringConfig
 from dtrain.node.model import TensorInfo, build_model, tensor_infos
 from dtrain.node.train.pool import ContributionPool
 from dtrain.node.swarm.presence import ANNOUNCE_EVERY_S, PeerInfo, Presence
+from dtrain.node.train.reference import ReferenceConfig, ReferenceSource
 from dtrain.node.train.robust import RobustAggregator, RobustConfig, all_finite, optimizer_state_tensors
 from dtrain.node.snapshot import Snapshot, make_snapshot, params_digest
 from dtrain.node.swarm.optimizer import SHUTDOWN_TIMEOUT_S, Swarm, make_local_optimizer
@@ -66,13 +67,19 @@ class NodeStatus:
     last_update_s: float  # how long the last update took (0 before the first)
     reachability: dict  # node.swarm.reachability.Reachability.as_dict(): full or client-mode peer, and why
     skipped_rounds: int  # client mode: gradient rounds that failed, so this node made no update (nothing lost)
+    references: int = 0  # trusted reference gradients computed (one per step with contributions)
+    reference_seconds: float = 0.0  # their total wall time
+    scored_out: int = 0  # contributors the ledger refuses for their record
 
 
 class TrainingNode:
     """One node of the swarm: owns the model and the training thread."""
 
     def __init__(self, config: NodeConfig, model_config: ModelConfig, train_config: TrainConfig,
-                 dataset: Optional[TokenDataset] = None, ledger: Optional[ContributorLedger] = None):
+                 dataset: Optional[TokenDataset] = None, ledger: Optional[ContributorLedger] = None,
+                 reference_data: Optional[TokenDataset] = None):
+        """`reference_data`: the node's own text for the trusted reference (train/reference.py), `dataset` or the
+        packaged corpus; None (or --reference-batch 0): no reference."""
         self.config, self.model_config, self.train_config = config, model_config, train_config
         self.dataset = dataset
         self.model = build_model(model_config)
@@ -80,10 +87,19 @@ class TrainingNode:
         self.total_params = sum(t.elements for t in self.tensors)
         self.pool = ContributionPool(train_config.min_nodes_for_update, lambda: self.step, config.max_pending_bytes)
         self.gradient = PendingGradient([t.elements for t in self.tensors])
+        self.reference: Optional[ReferenceSource] = None
+        if reference_data is not None and config.reference_batch > 0:
+            self.reference = ReferenceSource(self.model, reference_data,
+                                             ReferenceConfig(config.reference_batch, config.local_seq_len),
+                                             model_config.max_seq_len)
+        # with a trusted reference the direction check is on by default (FLTrust's ReLU gate: cosine > 0)
+        min_cosine = config.min_cosine if config.min_cosine is not None or self.reference is None else 0.0
         robust = RobustConfig(method=config.aggregation, norm_bound=config.norm_bound,
-                              max_samples=config.max_samples_per_packet, min_cosine=config.min_cosine)
+                              max_samples=config.max_samples_per_packet, min_cosine=min_cosine,
+                              max_weight_multiple=config.max_weight_multiple)
         self.aggregator = RobustAggregator(robust, [t.elements for t in self.tensors])
-        self.ledger = ledger if ledger is not None else ContributorLedger()
+        self.ledger = ledger if ledger is not None else ContributorLedger(
+            scoring=ScoringConfig(enabled=config.contributor_scoring))
         self.swarm: Optional[Swarm] = None
         self.presence: Optional[Presence] = None
         self.agreement: Optional[Agreement] = None
@@ -190,6 +206,9 @@ class TrainingNode:
             last_update_s=self._last_update_s,
             reachability=self.swarm.reachability.as_dict() if self.swarm else {},
             skipped_rounds=self.swarm.optimizer.skipped_rounds if self.swarm else 0,
+            references=self.reference.computed if self.reference else 0,
+            reference_seconds=self.reference.seconds if self.reference else 0.0,
+            scored_out=self.ledger.summary().scored_out,
         )
 
     # ---- joining -------------------------------------------------------------------------------------------
@@ -312,8 +331,17 @@ class TrainingNode:
 
     def _add(self, contributions) -> None:
         """One hand-over, robustly aggregated (CenteredClip by default: the exact weighted mean unless someone is
-        far out), into the pending gradient; refused whole if it would still not be finite."""
-        result = self.aggregator.aggregate(contributions, self._momentum())
+        far out), into the pending gradient; refused whole if it would still not be finite. Judged against the node's
+        own gradient at this step when it has a reference, else (with --min-cosine) against its Adam momentum."""
+        ids = {c.contributor for c in contributions}
+        reference = None
+        if self.reference is not None and self.aggregator.config.min_cosine is not None:
+            reference = self.reference.at(self.step)
+        if reference is not None:
+            result = self.aggregator.aggregate(contributions, reference.gradient, trusted=True,
+                                               ramps=self.ledger.ramps(ids), excluded=self.ledger.excluded(ids))
+        else:
+            result = self.aggregator.aggregate(contributions, self._momentum(), excluded=self.ledger.excluded(ids))
         self.ledger.record_aggregate(result)
         if not all_finite(values for _, _, values in result.parts):  # every other element is 0
             ids = sorted({c.contributor for c in contributions})
@@ -325,7 +353,7 @@ class TrainingNode:
     def _momentum(self) -> Optional[list[np.ndarray]]:
         """The Adam first moment (exp_avg) per tensor, flat: the reference of the direction check (None when it is
         off). Views, not copies: the training thread, which alone steps the optimizer, is the one reading them."""
-        if self.aggregator.config.min_cosine is None:
+        if self.aggregator.config.min_cosine is None or self.reference is not None:
             return None
         opt = self.swarm.optimizer.state_averager.optimizer
         params = [p for group in opt.param_groups for p in group["params"]]
