@@ -111,7 +111,31 @@ class SwarmConfig:
                          "peer acting as relay, and a client-mode node looks for one)", action="store_false",
                          dest="relay")
 
+    # how the swarm syncs (docs/low-communication.md): every update all-reduces the gradient and the optimizer
+    # state, or rounds of inner updates on each node, then one all-reduce of the pseudo-gradients
+    sync: str = option("per-step", "--sync", "per-step: every update averages gradients, parameters and Adam "
+                       "moments; low-comm: --inner-steps AdamW updates on each node, then one averaged outer "
+                       "Nesterov step", choices=("per-step", "low-comm"))
+    inner_steps: int = option(50, "--inner-steps", "low-comm: inner updates of a node between outer rounds")
+    outer_lr: float = option(0.7, "--outer-lr", "low-comm: outer Nesterov SGD learning rate")
+    outer_momentum: float = option(0.9, "--outer-momentum", "low-comm: outer Nesterov SGD momentum")
+    wire_codec: str = option("fp16", "--wire-codec", "low-comm: the pseudo-gradient on the wire (fp16 or fp32)",
+                             choices=("fp16", "fp32"))
+    link_mbit: float = option(0.0, "--link-mbit", "low-comm: the slowest link's rate, Mbit/s; the all-reduce "
+                              "deadline grows to fit its bytes at this rate (0: --averaging-timeout as given)")
+
     def __post_init__(self):
+        if self.sync not in ("per-step", "low-comm"):
+            raise ConfigError(f"sync must be per-step or low-comm, got {self.sync!r}")
+        if not isinstance(self.inner_steps, int) or self.inner_steps < 1:
+            raise ConfigError(f"inner_steps must be an integer >= 1, got {self.inner_steps!r}")
+        if not self.outer_lr > 0 or not 0.0 <= self.outer_momentum < 1.0:
+            raise ConfigError(f"outer_lr must be > 0 and outer_momentum in [0, 1), got {self.outer_lr!r}, "
+                              f"{self.outer_momentum!r}")
+        if self.wire_codec not in ("fp16", "fp32"):
+            raise ConfigError(f"wire_codec must be fp16 or fp32, got {self.wire_codec!r}")
+        if not self.link_mbit >= 0:
+            raise ConfigError(f"link_mbit must be >= 0 (0: unknown), got {self.link_mbit!r}")
         if self.reachability not in ("auto", "public", "client"):
             raise ConfigError(f"reachability must be auto, public or client, got {self.reachability!r}")
         if self.matchmaking_time_s <= self.request_timeout_s:

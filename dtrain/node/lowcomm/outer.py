@@ -3,7 +3,8 @@
 It is what hivemind.Optimizer wraps in low-communication mode, so the swarm's update applies it to the averaged
 pseudo-gradients in `.grad` of parameters that the node reset to the round's starting point. A node alone
 (`passthrough`) has no round to average: each of its inner updates is the spec's single-server update, so the outer
-step leaves the parameters (already moved by the inner AdamW) and the momentum exactly as they are.
+step is the pseudo-gradient itself (learning rate 1, no momentum): from the round's start it lands on the parameters
+the inner AdamW made, and the momentum stays as it is.
 """
 from __future__ import annotations
 
@@ -24,12 +25,13 @@ class OuterNesterov(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        if self.passthrough:
-            return None
         for group in self.param_groups:
             lr, mu = group["lr"], group["momentum"]
             for p in group["params"]:
                 if p.grad is None:
+                    continue
+                if self.passthrough:
+                    p.sub_(p.grad)
                     continue
                 buf = self.state[p]["momentum_buffer"]
                 buf.mul_(mu).add_(p.grad)

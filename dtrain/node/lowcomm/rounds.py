@@ -27,7 +27,7 @@ class InnerRounds:
         self.inner = inner
         self.inner_steps = inner_steps
         self.anchor = [p.detach().clone() for p in self.params]
-        self._delta = [torch.zeros_like(p) for p in self.params]  # set aside by enter_outer
+        self._inner = [torch.zeros_like(p) for p in self.params]  # the inner updates' parameters, set aside
         self.steps = 0  # inner updates since the anchor (carried ones included)
         self.in_outer = False
 
@@ -37,6 +37,8 @@ class InnerRounds:
 
     def inner_step(self, grads: Sequence[torch.Tensor]) -> None:
         """One AdamW update of the node's parameters with this (mean) gradient."""
+        if self.in_outer:
+            raise RuntimeError("inner_step() inside an outer round")
         with torch.no_grad():
             for p, g in zip(self.params, grads):
                 if p.grad is None:
@@ -46,52 +48,54 @@ class InnerRounds:
         self.steps += 1
 
     def pseudo_gradient(self) -> list[torch.Tensor]:
-        """anchor - parameters (what enter_outer set aside, while in an outer round)."""
-        if self.in_outer:
-            return [d.clone() for d in self._delta]
+        """anchor - the inner updates' parameters."""
         with torch.no_grad():
-            return [a - p.detach() for a, p in zip(self.anchor, self.params)]
+            current = self._inner if self.in_outer else [p.detach() for p in self.params]
+            return [a - q for a, q in zip(self.anchor, current)]
 
     def enter_outer(self) -> None:
+        if self.in_outer:
+            return
         with torch.no_grad():
-            for a, p, d in zip(self.anchor, self.params, self._delta):
-                torch.sub(a, p, out=d)
+            for a, p, q in zip(self.anchor, self.params, self._inner):
+                q.copy_(p)
                 p.copy_(a)
         self.in_outer = True
 
+    def at_anchor(self) -> bool:
+        """The parameters are the anchor's bytes (the ones the node serves): others may download them."""
+        return not self._replaced()
+
+    def _replaced(self) -> bool:
+        return any(not torch.equal(p.detach(), a) for a, p in zip(self.anchor, self.params))
+
     def leave_outer(self) -> None:
-        """No outer update happened: back to the inner updates' parameters."""
+        """No outer update happened: back to the inner updates' parameters, exactly."""
         if not self.in_outer:
             return
         with torch.no_grad():
-            for a, p, d in zip(self.anchor, self.params, self._delta):
-                torch.sub(a, d, out=p.data)
+            for p, q in zip(self.params, self._inner):
+                p.copy_(q)
         self.in_outer = False
 
     def settle(self) -> None:
         """The parameters hold an outer update that applied this node's pseudo-gradient: the next anchor."""
         with torch.no_grad():
-            for a, p, d in zip(self.anchor, self.params, self._delta):
+            for a, p in zip(self.anchor, self.params):
                 a.copy_(p)
-                d.zero_()
         self.steps, self.in_outer = 0, False
 
     def carry(self) -> None:
-        """The parameters hold the swarm's bytes without this node's pseudo-gradient: they become the anchor and the
-        pseudo-gradient goes back on top of them, for the next round."""
+        """The parameters hold the swarm's bytes without this node's pseudo-gradient (or still the anchor: nothing
+        replaced them): they become the anchor and the pseudo-gradient goes back on top of them, for the next round."""
         if not self.in_outer:
             raise RuntimeError("carry() without enter_outer(): the pseudo-gradient was not set aside")
+        if not self._replaced():
+            self.leave_outer()
+            return
+        delta = self.pseudo_gradient()
         with torch.no_grad():
-            for a, p, d in zip(self.anchor, self.params, self._delta):
+            for a, p, d in zip(self.anchor, self.params, delta):
                 a.copy_(p)
                 p.sub_(d)
-            for d in self._delta:
-                d.zero_()
         self.in_outer = False
-
-    def absorb(self) -> None:
-        """Alone: the inner update just made is the swarm's update (the spec's single server): new anchor."""
-        with torch.no_grad():
-            for a, p in zip(self.anchor, self.params):
-                a.copy_(p)
-        self.steps = 0

@@ -24,6 +24,7 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
+from dtrain.node.lowcomm import codec as lowcomm_codec
 from dtrain.node.swarm.commit import AbortedRound, CommittingGradientAverager
 from dtrain.node.swarm.reachability import Reachability, ReachabilityService, decide
 from dtrain.node.config import SwarmConfig, TrainConfig
@@ -87,6 +88,9 @@ class PacedTracker(ProgressTracker):
         # whether other nodes announced themselves: set by the node once it knows who is in the swarm; a swarm
         # without announcements (the adapter's, node.serve.adapter) sets it to always true
         self.others_present: Callable[[], bool] = lambda: False
+        # low-communication mode: the node's own rule (its inner updates are done, or it is alone) replaces the
+        # target and the settle rule; then this peer's round begins once the swarm's samples stopped growing
+        self.round_due: Optional[Callable[[], bool]] = None
         self._seen_samples, self._grew_at = 0, time.monotonic()
         super().__init__(*args, **kwargs)
 
@@ -98,6 +102,10 @@ class PacedTracker(ProgressTracker):
         samples = progress.samples_accumulated
         if samples != self._seen_samples:
             self._seen_samples, self._grew_at = samples, time.monotonic()
+        if self.round_due is not None:
+            # every node stops its inner updates when they are done: once the swarm's samples stop growing, every
+            # node in it is waiting for this round (a node that left stops counting when its record expires)
+            return self.round_due() and (not self.others_present() or time.monotonic() - self._grew_at >= self.settle_s)
         if samples >= self.target_batch_size and (progress.num_peers > 1 or not self.others_present()):
             return True
         return samples > 0 and time.monotonic() - self._grew_at >= self.settle_s
@@ -244,7 +252,8 @@ class Swarm:
     """The DHT and the collaborative optimizer of one node, and their bounded shutdown."""
 
     def __init__(self, config: SwarmConfig, local_optimizer: torch.optim.Optimizer,
-                 local_gradients: Callable[[], Sequence[torch.Tensor]], verbose: bool = False):
+                 local_gradients: Callable[[], Sequence[torch.Tensor]], verbose: bool = False,
+                 low_comm: bool = False):
         self.config = config
         identity_path = config.identity_path
         if identity_path and not os.path.exists(identity_path):
@@ -274,7 +283,12 @@ class Swarm:
             self.peer_id = str(self.dht.peer_id)
             self.maddrs = [str(addr) for addr in self.dht.get_visible_maddrs()]
             # Every node applies the same averaged update: gradients are all-reduced, then parameters and Adam
-            # moments (delay_state_averaging=False keeps state averaging inside the update).
+            # moments (delay_state_averaging=False keeps state averaging inside the update). In low-communication
+            # mode the "gradient" is the pseudo-gradient, compressed on the wire, the optimizer is the outer
+            # Nesterov step, and only the parameters are averaged after it (they then agree to the bit); the outer
+            # momentum is each node's own, built from the same averaged pseudo-gradients.
+            low = dict(grad_compression=lowcomm_codec.compression(config.wire_codec),
+                       average_opt_statistics=()) if low_comm else dict(average_opt_statistics=("exp_avg", "exp_avg_sq"))
             self.optimizer = SwarmOptimizer(
                 local_gradients=local_gradients,
                 update_bonus=peer_bonus(self.peer_id),
@@ -291,7 +305,7 @@ class Swarm:
                 reuse_grad_buffers=True,  # the node writes the exact samples-weighted gradient into .grad itself
                 grad_averager_factory=CommittingGradientAverager,  # a gradient round is applied whole or not at all
                 average_state_every=1,
-                average_opt_statistics=("exp_avg", "exp_avg_sq"),
+                **low,
                 averager_opts=dict(request_timeout=config.request_timeout_s),
                 tracker_opts=dict(min_refresh_period=0.2, max_refresh_period=TRACKER_MAX_REFRESH_S,
                                   default_refresh_period=0.5),

@@ -48,6 +48,7 @@ class PendingGradient:
         self._carried_samples = self._carried_packets = 0  # of the pending ones: already missed an update
         self.applied_samples = self.applied_packets = 0
         self.carried_samples = self.carried_packets = 0
+        self._drained_samples = 0  # of the pending ones: already in an inner update (low-communication mode)
 
     def add(self, sums: Sequence, samples: int, loss_sum: float, packets: int = 0, local: bool = False) -> None:
         for acc, part in zip(self.sums, sums):
@@ -82,6 +83,20 @@ class PendingGradient:
             self.packets += 1
             self.loss_sum += c.samples * c.loss
 
+    def drain(self) -> list[torch.Tensor]:
+        """Low-communication mode: the mean of what was added since the last drain, for one inner update; the sums
+        start empty, the counts stay pending until an outer update applies them (`settle`) or misses them (`carry`)."""
+        fresh = self.samples - self._drained_samples
+        mean = [acc / max(fresh, 1) for acc in self.sums]
+        for acc in self.sums:
+            acc.zero_()
+        self._drained_samples = self.samples
+        return mean
+
+    @property
+    def undrained_samples(self) -> int:
+        return self.samples - self._drained_samples
+
     def mean(self) -> list[torch.Tensor]:
         """The samples-weighted mean gradient (zeros when empty): this peer's update when it averages alone."""
         return [acc / max(self.samples, 1) for acc in self.sums]
@@ -107,7 +122,7 @@ class PendingGradient:
             acc.zero_()
         self.samples = self.packets = self.local_samples = 0
         self.loss_sum = 0.0
-        self._carried_samples = self._carried_packets = 0
+        self._carried_samples = self._carried_packets = self._drained_samples = 0
         return applied
 
     def carry(self) -> None:

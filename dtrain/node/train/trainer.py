@@ -10,6 +10,7 @@ Other threads only call `submit(contribution)`, `snapshot()`, `losses()` and `st
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -24,6 +25,10 @@ from dtrain.node.swarm.agreement import Agreement, Download
 from dtrain.node.config import ModelConfig, NodeConfig, TrainConfig
 from dtrain.node.contribution import Contribution
 from dtrain.node.data import TokenDataset
+from dtrain.node.lowcomm import codec as lowcomm_codec
+from dtrain.node.lowcomm.deadline import round_deadline
+from dtrain.node.lowcomm.outer import OuterNesterov
+from dtrain.node.lowcomm.rounds import InnerRounds
 from dtrain.node.train.gradient import PendingGradient
 from dtrain.node.train.ledger import ContributorLedger, ScoringConfig
 from dtrain.node.model import TensorInfo, build_model, tensor_infos
@@ -100,6 +105,10 @@ class TrainingNode:
         self.aggregator = RobustAggregator(robust, [t.elements for t in self.tensors])
         self.ledger = ledger if ledger is not None else ContributorLedger(
             scoring=ScoringConfig(enabled=config.contributor_scoring))
+        self.swarm_config = self._swarm_config(config)
+        self.low_comm = config.swarm.sync == "low-comm"
+        self.rounds: Optional[InnerRounds] = None  # low-comm: this node's inner updates since the last outer round
+        self._round_due = False  # low-comm: what the tracker asks (node.swarm.optimizer.PacedTracker.round_due)
         self.swarm: Optional[Swarm] = None
         self.presence: Optional[Presence] = None
         self.agreement: Optional[Agreement] = None
@@ -117,6 +126,17 @@ class TrainingNode:
         self.pool.on_ready(self._wake.set)
         self._rng = np.random.default_rng()
         self._thread = threading.Thread(target=self._run, name="dtrain-training", daemon=True)
+
+    def _swarm_config(self, config: NodeConfig):
+        """Low-comm: the all-reduce deadline grows to fit the bytes of one round at --link-mbit (docs/low-communication.md)."""
+        swarm = config.swarm
+        if swarm.sync != "low-comm":
+            return swarm
+        per_value = max(lowcomm_codec.bytes_per_element(swarm.wire_codec), lowcomm_codec.PARAMS_BYTES)
+        deadline = round_deadline(self.total_params * per_value, swarm.averaging_timeout_s, swarm.link_mbit)
+        logger.info(f"low-comm: {swarm.inner_steps} inner updates per outer round, pseudo-gradient in "
+                    f"{swarm.wire_codec}; all-reduce deadline {deadline.seconds:.0f}s from {deadline.why}")
+        return dataclasses.replace(swarm, averaging_timeout_s=deadline.seconds)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -218,6 +238,10 @@ class TrainingNode:
         restored = ckpt.load(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
         seed_digest = params_digest(self.model)  # epoch 0's only state, checkpoint or not
         local_opt = make_local_optimizer(self.model, self.train_config)
+        inner = None
+        if self.low_comm:  # hivemind wraps the outer step; the inner AdamW is this node's own
+            inner, local_opt = local_opt, OuterNesterov(self.model.parameters(), lr=cfg.swarm.outer_lr,
+                                                        momentum=cfg.swarm.outer_momentum)
         if restored is not None:
             # restore before hivemind wraps the optimizer: its averagers keep references to these tensors
             self.model.load_state_dict(restored.model_state)
@@ -225,14 +249,16 @@ class TrainingNode:
             self._losses = list(restored.losses)
             logger.info(f"Restored checkpoint: epoch {restored.epoch}, {len(restored.losses)} losses")
 
-        self.swarm = swarm = Swarm(cfg.swarm, local_opt, local_gradients=self.gradient.mean)
+        local_gradients = (lambda: self.rounds.pseudo_gradient()) if self.low_comm else self.gradient.mean
+        self.swarm = swarm = Swarm(self.swarm_config, local_opt, local_gradients=local_gradients,
+                                   low_comm=self.low_comm)
         opt = swarm.optimizer
         if restored is not None:
             opt.state_averager.local_epoch = restored.epoch
             opt.tracker.report_local_progress(restored.epoch, 0)
         self.presence = Presence(swarm.dht, cfg.swarm.run_id, swarm.peer_id, swarm.maddrs, cfg.port)
         opt.tracker.others_present = lambda: not self.presence.alone()
-        self.agreement = Agreement(swarm.dht, opt, self.model, cfg.swarm, self._stop, seed_digest)
+        self.agreement = Agreement(swarm.dht, opt, self.model, self.swarm_config, self._stop, seed_digest)
         self._rng = np.random.default_rng(int.from_bytes(swarm.peer_id.encode()[-8:], "little"))
 
         checked = restored is not None  # bytes this node may vouch for: a checkpoint, or a checked download
@@ -241,6 +267,9 @@ class TrainingNode:
             behind = self.agreement.saw(opt.tracker.global_epoch) > opt.local_epoch
             if restored is None or behind or not self._swarm_serves_my_bytes():
                 checked = self._join_download(cfg.swarm.load_state_timeout_s) is Download.CHECKED
+        if self.low_comm:
+            self.rounds = InnerRounds(list(self.model.parameters()), inner, cfg.swarm.inner_steps)
+            opt.tracker.round_due = lambda: self._round_due
         snap = make_snapshot(self.model, opt.local_epoch)
         if checked and snap.updates > 0:
             self.agreement.vouch(snap)
@@ -294,6 +323,8 @@ class TrainingNode:
         return self.presence.alone() and self.swarm.optimizer.tracker.global_progress.num_peers <= 1
 
     def _iteration(self) -> bool:
+        if self.rounds is not None:
+            return self._low_comm_iteration()
         worked = False
         # Alone, every hand-over is one update (the spec's single server); in a swarm, all that is ready goes into
         # the next update together.
@@ -318,6 +349,85 @@ class TrainingNode:
             self._save_checkpoint()
             self._last_checkpoint_epoch = epoch
         return worked
+
+    def _low_comm_iteration(self) -> bool:
+        """Inner updates until --inner-steps are done, then the outer round (docs/low-communication.md). Once done,
+        a node takes no hand-over and trains on no local batch until the round: its packets wait in the pool, and
+        the swarm's samples stop growing when every node is done, which begins the round."""
+        worked, rounds = False, self.rounds
+        while not rounds.due and (hand_over := self.pool.take()) is not None:
+            self._add(hand_over.contributions)
+            del hand_over
+            worked = True
+            self._inner_step()
+            if self._alone():
+                self._low_comm_step()  # alone, every hand-over is one update (the spec's single server)
+        if self.dataset is not None and not rounds.due and self._wants_local_batch():
+            self._local_batch()
+            self._inner_step()
+            worked = True
+        self._catch_up()
+        if self.gradient.samples > 0:
+            self._low_comm_step()
+        if self.presence.due():
+            self.presence.refresh(self.step, self.gradient.samples)
+            self.agreement.keep_alive()
+        epoch = self.swarm.epoch
+        if self.config.checkpoint_dir and epoch - self._last_checkpoint_epoch >= self.config.checkpoint_every:
+            self._save_checkpoint()
+            self._last_checkpoint_epoch = epoch
+        return worked
+
+    def _inner_step(self) -> None:
+        if self.gradient.undrained_samples:
+            # a peer's download must never see parameters between the anchor and an inner update
+            self.swarm.optimizer.state_averager.allow_state_sharing = False
+            self.rounds.inner_step(self.gradient.drain())
+
+    def _low_comm_step(self) -> None:
+        """One hivemind Optimizer.step: reports the samples of the inner updates and, when the round is due, runs
+        it. The parameters are at the round's start (the anchor) inside it, with the pseudo-gradient set aside:
+        whatever replaces them there (an outer update, a download) is followed by settle or carry."""
+        opt, rounds = self.swarm.optimizer, self.rounds
+        alone = self._alone()
+        self._round_due = alone or rounds.due
+        opt.state_averager.optimizer.passthrough = alone
+        rounds.enter_outer()
+        self._recheck(force=opt.tracker.ready_to_update_epoch)  # may download the swarm's bytes of the last step
+        if self._unverified:
+            rounds.carry()
+            return
+        counted = opt.grad_averager
+        new_samples = max(self.gradient.samples - counted.local_samples_accumulated, 0)
+        calls = counted.local_times_accumulated + 1  # hivemind divides .grad by the step() calls of the epoch
+        with torch.no_grad():
+            for p, d in zip(self.model.parameters(), rounds.pseudo_gradient()):
+                p.grad.copy_(d).mul_(calls)
+        epoch_before, round_before = opt.local_epoch, opt.last_round
+        if new_samples:
+            self.presence.reported_samples()
+        started = time.monotonic()
+        opt.step(batch_size=new_samples)
+        if opt.local_epoch == epoch_before:
+            if rounds.due and rounds.at_anchor():
+                # waiting for the round: the parameters stay at the anchor, the served bytes, which a joiner may
+                # download meanwhile (a node shares its state only at the anchor)
+                self._share_state()
+                return
+            rounds.carry()  # back to the inner updates' parameters (on the swarm's bytes, if a download came)
+            self._sync_sharing()
+            return
+        outcome = opt.last_round
+        if outcome is not round_before and outcome.epoch == opt.local_epoch:
+            self._after_update(outcome, time.monotonic() - started)
+            took_s = self._last_update_s = time.monotonic() - started
+            for callback in self._update_listeners:
+                try:
+                    callback(took_s)
+                except Exception as e:
+                    logger.exception(f"update listener failed: {e}")
+        else:  # hivemind downloaded the swarm's state inside step()
+            self._after_catch_up(self.agreement.check_download())
 
     def _round_for_clients(self) -> bool:
         """A full peer with nothing of its own joins (with weight 0) an update the swarm gathered samples for while
@@ -364,6 +474,8 @@ class TrainingNode:
         return [m.detach().reshape(-1).numpy() for m in moments]
 
     def _wants_local_batch(self) -> bool:
+        if self.rounds is not None and self.rounds.due:
+            return False
         limit = self.config.local_samples_per_update
         return limit <= 0 or self.gradient.local_samples < limit
 
@@ -411,6 +523,9 @@ class TrainingNode:
     def _after_update(self, outcome, took_s: float) -> None:
         snap = make_snapshot(self.model, outcome.epoch)
         verdict = self.agreement.after_update(snap, outcome)
+        if self.rounds is not None:  # the parameters hold the swarm's update now, with or without this node's work
+            self.rounds.settle() if verdict.included else self.rounds.carry()
+            self._sync_sharing()
         if verdict.included:
             applied = self.gradient.settle()
             if applied.samples:  # a full peer that joined only for client-mode peers' samples has no loss of its own
@@ -452,9 +567,19 @@ class TrainingNode:
             logger.info(f"Behind the swarm (epoch {opt.local_epoch} < {opt.tracker.global_epoch}); loading state")
         elif not self._unverified:
             return
+        if self.rounds is not None:
+            self.rounds.enter_outer()  # the pseudo-gradient aside: the download replaces the parameters
         self._after_catch_up(self.agreement.load_state_from_peers())
 
     def _after_catch_up(self, download: Download) -> None:
+        try:
+            self._serve_download(download)
+        finally:
+            if self.rounds is not None:  # once the downloaded bytes are served: on top of them, for the next round
+                self.rounds.carry()
+                self._sync_sharing()
+
+    def _serve_download(self, download: Download) -> None:
         if self.gradient.samples:
             self.gradient.carry()
         if download is Download.REFUSED:
@@ -480,6 +605,13 @@ class TrainingNode:
             self._unverified = True
         elif agreed is not snap:
             self._publish(agreed)
+
+    def _sync_sharing(self) -> None:
+        """Low-comm: a node shares its state only while its parameters are the anchor (the bytes it serves)."""
+        if self.rounds.at_anchor():
+            self._share_state()
+        else:
+            self.swarm.optimizer.state_averager.allow_state_sharing = False
 
     def _share_state(self) -> None:
         # the model's bytes are the ones this node serves: peers may download them (off while it loads a state);
