@@ -1,0 +1,159 @@
+"""The swarm behind real bandwidth limits: per-step against low-communication sync, N nodes in network namespaces.
+
+Each node runs in a namespace of its own (tests/netns.py) with a veth to a shared bridge; with a rate R both ends of
+its veth are shaped with tbf to R Mbit/s, so upload and download are each limited to R. This kernel has no netem: no
+delay or loss is emulated, only bandwidth. Every node trains on its own shard of the text (no browsers); a held-out
+tail of the text is never trained on.
+
+For each mode and rate it prints: seconds per update (outer update in low-comm mode), MB each node sent per 1,000
+samples the swarm applied, the swarm's applied samples per second, the held-out loss of node A's served model when
+the run ends, the samples applied by then, and the longest time two nodes served one step with different bytes.
+A run ends after --samples applied samples or --seconds, whichever comes first; loss is comparable only between
+rows that reached the same samples.
+
+Runs as root (namespaces), under the heavy lock:
+    flock /tmp/dtrain-heavy.lock .venv/bin/python bench/bench_wan.py --rates unlimited,20 --samples 3000
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from dtrain.node.assets import tokenizer_files  # noqa: E402
+from dtrain.node.config import ModelConfig  # noqa: E402
+from dtrain.node.model import build_model  # noqa: E402
+from dtrain.node.tokenizer import load_tokenizer  # noqa: E402
+from tests.netns import Net, unavailable_reason  # noqa: E402
+from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id  # noqa: E402
+from tests.swarmcheck import ByteWatch, tensor_f32  # noqa: E402
+
+TEXT = Path("/work/shared/data/tinyshakespeare.txt")
+HELD_OUT = 0.1  # the text's tail kept out of training
+EVAL_BATCHES, EVAL_BATCH, EVAL_SEQ = 8, 8, 64
+NODE_TIMEOUTS = ["--matchmaking-time", "5", "--request-timeout", "3", "--averaging-timeout", "30"]  # the defaults
+
+
+def shards(text: str, peers: int, folder: Path) -> tuple[list[Path], str]:
+    cut = int(len(text) * (1 - HELD_OUT))
+    train, held = text[:cut], text[cut:]
+    size = len(train) // peers
+    paths = []
+    for i in range(peers):
+        path = folder / f"shard{i}.txt"
+        path.write_text(train[i * size:(i + 1) * size])
+        paths.append(path)
+    return paths, held
+
+
+def tx_bytes(host) -> int:
+    return int(host.run(["cat", "/sys/class/net/eth0/statistics/tx_bytes"]).stdout.strip())
+
+
+def held_out_loss(node: NodeProcess, model_config: Path, held_tokens: np.ndarray) -> float:
+    model = build_model(ModelConfig.load(model_config))
+    with torch.no_grad():
+        for tid, p in enumerate(model.parameters()):
+            _, values = tensor_f32(node, tid)
+            p.copy_(torch.from_numpy(values.copy()).view_as(p))
+        model.eval()
+        rng = np.random.default_rng(0)
+        losses = []
+        for _ in range(EVAL_BATCHES):
+            starts = rng.integers(0, len(held_tokens) - EVAL_SEQ - 1, EVAL_BATCH)
+            batch = torch.from_numpy(np.stack([held_tokens[s:s + EVAL_SEQ] for s in starts]).astype(np.int64))
+            losses.append(model(input_ids=batch, labels=batch).loss.item())
+    return float(np.mean(losses))
+
+
+def run(mode: str, rate, args, paths: list[Path], held_tokens: np.ndarray) -> dict:
+    common = ["--model-config", str(args.model_config), "--local-batch-size", str(args.batch), "--local-seq-len",
+              "64", "--sync", mode, "--inner-steps", str(args.inner_steps), *NODE_TIMEOUTS]
+    if rate is not None and mode == "low-comm":
+        common += ["--link-mbit", str(rate)]
+    run_id, nodes = new_run_id(), []
+    with Net() as net:
+        hosts = [net.host(f"n{i}", rate_mbit=rate) for i in range(args.peers)]
+        try:
+            for i, host in enumerate(hosts):
+                peers = ()
+                if nodes:
+                    nodes[0].wait_ready(600)
+                    peers = [m for m in nodes[0].status()["maddrs"] if m.startswith(f"/ip4/{hosts[0].ip}/")]
+                nodes.append(NodeProcess("ABCDEFGH"[i], [*common, "--train-data", str(paths[i])], run_id,
+                                         initial_peers=peers, netns=host, host_maddrs=f"/ip4/{host.ip}/tcp/0"))
+            for node in nodes:
+                node.wait_ready(600)
+            sent0 = [tx_bytes(h) for h in hosts]
+            statuses = [n.status() for n in nodes]
+            applied0, step0 = sum(s["applied_samples"] for s in statuses), statuses[0]["step"]
+            began = time.monotonic()
+            with ByteWatch(nodes, interval_s=0.5) as watch:
+                while time.monotonic() - began < args.seconds:
+                    time.sleep(2.0)
+                    applied = sum(n.status()["applied_samples"] for n in nodes) - applied0
+                    if applied >= args.samples:
+                        break
+            elapsed = time.monotonic() - began
+            statuses = [n.status() for n in nodes]
+            applied = sum(s["applied_samples"] for s in statuses) - applied0
+            sent = [tx_bytes(h) - s0 for h, s0 in zip(hosts, sent0)]
+            updates = statuses[0]["step"] - step0
+            loss = held_out_loss(nodes[0], args.model_config, held_tokens)
+            return dict(mode=mode, rate="unlimited" if rate is None else f"{rate:g}", updates=updates,
+                        s_per_update=elapsed / updates if updates else math.inf,
+                        mb_per_1000=np.mean(sent) / 1e6 * 1000 / max(applied, 1), samples_per_s=applied / elapsed,
+                        loss=loss, samples=applied, split_s=watch.split_s, conflicts=len(watch.conflicts))
+        finally:
+            for node in nodes:
+                node.kill()
+            if args.keep_logs:
+                for node in nodes:
+                    print(f"--- {node.name}: {node.log_path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--peers", type=int, default=3)
+    parser.add_argument("--rates", default="unlimited,50,20,10", help="Mbit/s per link, comma-separated")
+    parser.add_argument("--modes", default="per-step,low-comm")
+    parser.add_argument("--samples", type=int, default=3000, help="applied samples that end a run")
+    parser.add_argument("--seconds", type=float, default=240.0, help="longest a run trains")
+    parser.add_argument("--batch", type=int, default=8, help="--local-batch-size of every node")
+    parser.add_argument("--inner-steps", type=int, default=50)
+    parser.add_argument("--model-config", type=Path, default=TINY_CONFIG)
+    parser.add_argument("--keep-logs", action="store_true")
+    args = parser.parse_args()
+    if (why := unavailable_reason()) is not None:
+        sys.exit(f"network namespaces unavailable: {why}")
+    text = TEXT.read_text()
+    tokenizer = load_tokenizer(tokenizer_files())
+    with tempfile.TemporaryDirectory() as folder:
+        paths, held = shards(text, args.peers, Path(folder))
+        held_tokens = np.asarray(tokenizer.encode(held).ids, dtype=np.int64)
+        rows = []
+        for rate_name in args.rates.split(","):
+            rate = None if rate_name == "unlimited" else float(rate_name)
+            for mode in args.modes.split(","):
+                row = run(mode, rate, args, paths, held_tokens)
+                rows.append(row)
+                print(row, flush=True)
+    print(f"\n{args.peers} nodes, {args.model_config.name}, batch {args.batch}, inner steps {args.inner_steps}; "
+          f"tbf both directions, no netem (no delay emulated)\n")
+    print("| mode | Mbit/s | s/update | MB sent/node/1k samples | swarm samples/s | held-out loss | samples "
+          "| longest split (s) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['mode']} | {r['rate']} | {r['s_per_update']:.2f} | {r['mb_per_1000']:.2f} | "
+              f"{r['samples_per_s']:.1f} | {r['loss']:.3f} | {r['samples']} | {r['split_s']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
