@@ -285,7 +285,13 @@ class TrainingNode:
     def _join_download(self, timeout_s: float) -> Download:
         """A joiner serves nothing the swarm disagrees with: it downloads until the bytes agree (bounded)."""
         deadline = time.monotonic() + timeout_s
-        while (result := self.agreement.load_state_from_peers()) is Download.REFUSED:
+        while True:
+            if self.low_comm:
+                # announced while it downloads: the nodes it joins are not alone, so they make outer rounds every
+                # --inner-steps instead of an update per batch, which a download over a slow link never catches
+                self.presence.refresh(0, 0)
+            if (result := self.agreement.load_state_from_peers()) is not Download.REFUSED:
+                break
             if self._stop.is_set() or time.monotonic() >= deadline:
                 raise RuntimeError(f"could not download a state that agrees with what the swarm's peers publish "
                                    f"within {timeout_s:.0f}s; is the swarm training faster than this link?")
