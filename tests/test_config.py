@@ -108,3 +108,15 @@ def test_serving_flags_reach_their_fields_and_are_checked():
 def test_bad_adapter_options_are_config_errors(argv, message):
     with pytest.raises(ConfigError, match=message):
         parse_config(argv)
+
+
+@pytest.mark.parametrize("name,params", [("gpt2-small", 124_046_592), ("gpt2-medium", 354_298_880)])
+def test_shipped_gpt2_configs_have_gpt2s_sizes(name, params):
+    """configs/gpt2-*.json are GPT-2's shapes at 512 positions: built on the meta device, no memory allocated."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    from dtrain.node.model import hf_config
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(hf_config(ModelConfig.load(REPO / "configs" / f"{name}.json")))
+    assert sum(p.numel() for p in model.parameters()) == params

@@ -1,0 +1,95 @@
+"""Memory a training node holds: the proportional set size (PSS, /proc/PID/smaps_rollup) of dtrain-node and every
+process under it (hivemind's DHT and averager children, torch's shm manager), once idle and once while training
+after 2 updates, next to the bytes of its fp32 parameters.
+
+PSS counts a page shared by k processes as 1/k in each, so the sum over the tree counts shared memory (hivemind's
+/dev/shm buffers, torch's shared tensors) once.
+
+    .venv/bin/python bench/bench_memory.py [--configs tiny default gpt2-small gpt2-medium] [--updates 2]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.nodeproc import REPO, NodeProcess, new_run_id, wait_cpu_idle, wait_until  # noqa: E402
+
+CONFIGS = {"tiny": REPO / "configs/tiny.json", "default": None, "gpt2-small": REPO / "configs/gpt2-small.json",
+           "gpt2-medium": REPO / "configs/gpt2-medium.json"}
+TEXT = Path("/work/shared/data/tinyshakespeare.txt")
+GIB = 1 << 30
+
+
+def tree(pid: int) -> list[int]:
+    """pid and every descendant, from /proc/*/stat's parent field."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    found, frontier = [pid], [pid]
+    while frontier:
+        kids = [p for p, pp in parents.items() if pp in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
+def pss_bytes(pid: int) -> int:
+    """Sum of Pss over the process tree under pid (kB in smaps_rollup)."""
+    total = 0
+    for p in tree(pid):
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+        except OSError:
+            pass  # exited between the listing and the read
+    return total
+
+
+def measure(name: str, updates: int, ready_timeout_s: float, train_timeout_s: float) -> dict:
+    args = ["--train-data", str(TEXT), "--local-batch-size", "2", "--local-seq-len", "64",
+            "--local-samples-per-update", "2"]
+    if CONFIGS[name] is not None:
+        args = ["--model-config", str(CONFIGS[name]), *args]
+    node = NodeProcess(f"mem-{name}", args, new_run_id())
+    try:
+        node.wait_ready(ready_timeout_s)
+        info = node.get_json("/api/v1/model/info", timeout_s=30.0)
+        params = int(info["total_params"])
+        idle = pss_bytes(node.proc.pid)
+        start = node.status()["updates"]
+        wait_until(lambda: node.status()["updates"] >= start + updates, train_timeout_s, f"{updates} updates", 1.0)
+        training = pss_bytes(node.proc.pid)
+        return dict(config=name, params=params, fp32=params * 4, idle=idle, training=training)
+    finally:
+        node.kill()
+        time.sleep(2.0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--updates", type=int, default=2)
+    ap.add_argument("--ready-timeout", type=float, default=600.0)
+    ap.add_argument("--train-timeout", type=float, default=1800.0)
+    a = ap.parse_args()
+    print("| config | params | fp32 params | PSS idle | PSS training | training / fp32 |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in a.configs:
+        r = measure(name, a.updates, a.ready_timeout, a.train_timeout)
+        print(f"| {r['config']} | {r['params'] / 1e6:.1f}M | {r['fp32'] / GIB:.2f} GiB | {r['idle'] / GIB:.2f} GiB | "
+              f"{r['training'] / GIB:.2f} GiB | {r['training'] / r['fp32']:.1f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
