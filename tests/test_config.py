@@ -120,3 +120,15 @@ def test_shipped_gpt2_configs_have_gpt2s_sizes(name, params):
     with torch.device("meta"):
         model = GPT2LMHeadModel(hf_config(ModelConfig.load(REPO / "configs" / f"{name}.json")))
     assert sum(p.numel() for p in model.parameters()) == params
+
+
+def test_meta_template_holds_no_parameter_memory_and_materializes_tied():
+    """The engines' template is shapes only; a materialized copy has the built model's parameters, tied as they are."""
+    from dtrain.node.model import materialize, meta_template
+    config = ModelConfig.load(TINY_CONFIG)
+    template = meta_template(config)
+    assert all(p.is_meta for p in template.parameters())
+    built, copy_ = build_model(config), materialize(template)
+    assert not any(p.is_meta for p in copy_.parameters())
+    assert copy_.lm_head.weight is copy_.transformer.wte.weight
+    assert [(n, p.shape) for n, p in copy_.named_parameters()] == [(n, p.shape) for n, p in built.named_parameters()]

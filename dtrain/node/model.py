@@ -1,6 +1,7 @@
 """The shared GPT-2-style model: built from a ModelConfig with seeded weights, and its tensor listing."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,25 @@ def build_model(config: ModelConfig) -> GPT2LMHeadModel:
         torch.manual_seed(config.seed)
         model = GPT2LMHeadModel(hf_config(config))
     model.eval()  # dropout is 0 anyway; eval keeps transformers from warning about training mode
+    return model
+
+
+def meta_template(config: ModelConfig) -> GPT2LMHeadModel:
+    """The model's shapes and tied-parameter layout on the `meta` device: no parameter memory. Engines that read a
+    snapshot's weights keep this instead of a second full model, and materialize a copy to load a snapshot into."""
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(hf_config(config))
+    model.eval()
+    return model
+
+
+def materialize(template: torch.nn.Module) -> torch.nn.Module:
+    """A CPU copy of `template` to load weights into: uninitialised when the template is on `meta`, with its tied
+    parameters tied again (to_empty makes each a parameter of its own)."""
+    model = copy.deepcopy(template)
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device="cpu")
+        model.tie_weights()
     return model
 
 

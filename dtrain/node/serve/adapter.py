@@ -18,7 +18,6 @@ adapter's state from a peer before training on.
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import threading
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ import torch
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils.logging import get_logger
 
+from dtrain.node.model import materialize
 from dtrain.node.serve.capture import CaptureStore, Record
 from dtrain.node.serve.config import ServeConfig, check_adapter_name
 from dtrain.node.serve.feedback import mean_gradient, record_loss, run_rounds
@@ -248,7 +248,7 @@ class AdapterTrainer:
         """The node's current shared model, frozen (copied once per step)."""
         snap = self._node.snapshot()
         if self._base is None or self._base[0] != snap.step:
-            model = load_snapshot(copy.deepcopy(self._template), snap.f32)
+            model = load_snapshot(materialize(self._template), snap.f32)
             model.eval()
             model.requires_grad_(False)
             self._base = (snap.step, model)

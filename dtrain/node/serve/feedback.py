@@ -16,7 +16,6 @@ the loss is of the snapshot the contribution is for, not of the (possibly older)
 """
 from __future__ import annotations
 
-import copy
 import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -26,6 +25,7 @@ import torch
 from hivemind.utils.logging import get_logger
 
 from dtrain.node.contribution import Contribution, Section
+from dtrain.node.model import materialize
 from dtrain.node.train.pool import StepMismatch
 from dtrain.node.serve.capture import CaptureStore, Record
 from dtrain.node.serve.weights import load_snapshot
@@ -137,7 +137,7 @@ class FeedbackTrainer:
         if not rows:
             return None
         snap = self._node.snapshot()
-        model = load_snapshot(copy.deepcopy(self._template), snap.f32)
+        model = load_snapshot(materialize(self._template), snap.f32)
         model.eval()  # no dropout anyway; gradients flow in eval mode
         model.requires_grad_(True)
         grads, loss, used = feedback_gradient(model, [r for _, r in rows])

@@ -175,11 +175,11 @@ class ServeService:
 
 def for_node(node, config: ServeConfig, tokenizer: Any, experts=None) -> ServeService:
     """The serving service of a started TrainingNode: its shared model at the step it serves, started."""
-    from dtrain.node.model import build_model
+    from dtrain.node.model import meta_template
     from dtrain.node.serve.weights import SnapshotWeights
 
     model_config = node.model_config
-    template = build_model(model_config)
+    template = meta_template(model_config)  # shapes only: each engine loads the snapshot's bytes
     engine = ServeEngine(SnapshotWeights(node.snapshot, template), lambda ids: tokenizer.decode(list(ids)), config,
                          experts=experts, eos_token_id=template.config.eos_token_id)
     capture = CaptureStore(config.capture_db, config.capture_max_rows) if config.capture else None

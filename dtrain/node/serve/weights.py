@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from dtrain.node.model import materialize
 from dtrain.node.snapshot import Snapshot
 
 
@@ -57,7 +58,7 @@ class SnapshotWeights:
 
     def load(self) -> ServedWeights:
         snap = self._snapshot_fn()
-        return ServedWeights(_frozen(load_snapshot(copy.deepcopy(self._template), snap.f32)), snap.step)
+        return ServedWeights(_frozen(load_snapshot(materialize(self._template), snap.f32)), snap.step)
 
 
 class FixedWeights:

@@ -164,7 +164,7 @@ def for_node(node, config: SplitConfig, tokenizer: Any = None) -> SplitService:
     """The split service of a started TrainingNode (its shared model, or `config.split_model`)."""
     if config.split_model:
         return from_pretrained(config.split_model, config, tokenizer)
-    from dtrain.node.model import build_model, embedding_tensor_id
+    from dtrain.node.model import build_model, embedding_tensor_id, meta_template
 
     model_config = node.model_config
     model = build_model(model_config)  # our own copy: the node's model is being trained
@@ -173,7 +173,7 @@ def for_node(node, config: SplitConfig, tokenizer: Any = None) -> SplitService:
     experts = _experts(config, model.config.hidden_size)
     he = _he(config, experts)
     engine = SplitEngine(model, lambda: node.step, _kv(config), config.dp, experts, he=he)
-    follower = _SnapshotFollower(engine, model)
+    follower = _SnapshotFollower(engine, meta_template(model_config))  # shapes only; `model` is freed on return
     if engine.weights_step != snap.step:  # the node stepped while we were building
         engine.load_weights(snapshot_state_dict(model, snap.f32), snap.step)
     node.add_snapshot_listener(follower)
