@@ -185,8 +185,7 @@ def main() -> None:
     for path in args.configs:
         model_config = ModelConfig.load(path)
         model = build_model(model_config)
-        config = ServeConfig(max_batch=max(CONCURRENCY), queue_size=max(CONCURRENCY), max_tokens=args.max_tokens,
-                             capture=False)
+        config = ServeConfig(max_batch=max(CONCURRENCY), queue_size=max(CONCURRENCY), max_tokens=args.max_tokens)
         engine = ServeEngine(FixedWeights(model), lambda ids: tok.decode(list(ids)), config, eos_token_id=50256)
         engine.start()
         server = Server(ServeService(engine, tok, model_config.name, config))

@@ -167,7 +167,8 @@ def feedback_round(client: OpenAI, model: str, round_: int, samples: int, max_to
         spread = max(graded) - min(graded)
         for c, g in zip(r.choices, graded):
             reward = 0.0 if spread == 0 else (g - baseline) / spread  # in [-1, 1]; 0 when all were alike
-            client.post("/feedback", body={"id": r.id, "index": c.index, "reward": reward}, cast_to=object)
+            client.post("/feedback", body={"id": r.id, "index": c.index, "reward": reward,
+                                           "feedback_token": r.model_extra["dtrain_feedback_token"]}, cast_to=object)
     return sum(scores) / len(scores)
 
 

@@ -31,7 +31,7 @@ D_MODEL = json.loads(TINY_CONFIG.read_text())["d_model"]
 
 @pytest.fixture(scope="module")
 def node():
-    proc = _start("metrics", ["--model-config", str(TINY_CONFIG), "--target-batch-size", "1", "--no-capture"])
+    proc = _start("metrics", ["--model-config", str(TINY_CONFIG), "--target-batch-size", "1"])
     try:
         yield proc
     finally:

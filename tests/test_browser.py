@@ -369,3 +369,7 @@ def test_dashboard_draws_the_loss_curve(page, tiny_node):
     assert {row[0]: (row[1], row[2]) for row in shown} == {
         r["node_id"]: (f"{r['accepted']:,}", f"{r['samples_credited']:,}") for r in ledger}
     assert {f"advance-{i}" for i in range(4)} <= {row[0] for row in shown}
+    # what the node keeps of what /v1 serves, as its /v1/models says (this node was given no --capture-db)
+    assert tiny_node.get_json("/v1/models")["dtrain_capture"]["recording"] is False
+    page.wait_for_function("document.querySelector('#capture').textContent.includes('records nothing')",
+                           timeout=30_000)

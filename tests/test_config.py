@@ -89,9 +89,11 @@ def test_serving_flags_reach_their_fields_and_are_checked():
                            "--feedback-train", "--feedback-interval", "2.5"])
     assert (config.serve.max_tokens, config.serve.queue_size, config.serve.capture_db) == (64, 0, "/tmp/x.sqlite")
     assert config.serve.capture and config.serve.feedback_train and config.serve.feedback_interval_s == 2.5
-    assert not parse_config(["--no-capture"]).serve.capture
-    with pytest.raises(ConfigError, match="--no-capture"):
-        parse_config(["--feedback-train", "--no-capture"])
+    assert not parse_config([]).serve.capture and parse_config([]).serve.capture_db is None  # recording is opt-in
+    with pytest.raises(ConfigError, match="--capture-db"):
+        parse_config(["--feedback-train"])
+    with pytest.raises(ConfigError, match="--capture-db"):
+        parse_config(["--capture-db", " "])
     with pytest.raises(ConfigError, match="max_n"):
         parse_config(["--serve-max-batch", "2", "--serve-max-n", "3"])
 
@@ -100,10 +102,10 @@ def test_serving_flags_reach_their_fields_and_are_checked():
     (["--feedback-lora", "a b"], "adapter name"),
     (["--feedback-lora", "_x"], "adapter name"),
     (["--feedback-lora", "x" * 65], "adapter name"),
-    (["--feedback-lora", "x", "--feedback-train"], "choose one"),
-    (["--feedback-lora", "x", "--no-capture"], "--no-capture"),
-    (["--feedback-lora", "x", "--feedback-lora-rank", "0"], "feedback_lora_rank"),
-    (["--feedback-lora", "x", "--feedback-lora-lr", "0"], "feedback_lora_lr"),
+    (["--feedback-lora", "x", "--feedback-train", "--capture-db", "c.sqlite"], "choose one"),
+    (["--feedback-lora", "x"], "--capture-db"),
+    (["--feedback-lora", "x", "--capture-db", "c.sqlite", "--feedback-lora-rank", "0"], "feedback_lora_rank"),
+    (["--feedback-lora", "x", "--capture-db", "c.sqlite", "--feedback-lora-lr", "0"], "feedback_lora_lr"),
 ])
 def test_bad_adapter_options_are_config_errors(argv, message):
     with pytest.raises(ConfigError, match=message):

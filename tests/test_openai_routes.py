@@ -101,6 +101,8 @@ def test_models_lists_the_shared_model_at_its_step(client, served):
     assert [m.model_extra["dtrain_expert"] for m in models.data] == [False, True]
     assert models.data[0].model_extra["dtrain_step"] == served["node"].step == 1
     assert client.models.retrieve(MODEL).model_extra["context_length"] == 64
+    with urllib.request.urlopen(f"http://127.0.0.1:{served['port']}/v1/models", timeout=60) as r:
+        assert json.loads(r.read())["dtrain_capture"] == {"recording": True, "max_rows": 50}  # what it keeps, said
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("gpt-4o")
     assert e.value.body["code"] == "model_not_found"
@@ -250,16 +252,30 @@ def test_past_the_batch_and_queue_the_node_answers_429(client, served):
 
 def test_feedback_sets_the_reward_of_the_recorded_rows(client, served):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "2+2?"}], max_tokens=3, n=2)
-    answer = client.post("/feedback", body={"id": r.id, "reward": -0.5, "index": 1}, cast_to=object)
+    token = r.model_extra["dtrain_feedback_token"]
+    assert len(token) >= 32 and token not in {row["feedback_hash"] for row in _rows(served["db"], r.id)}
+    answer = client.post("/feedback", body={"id": r.id, "reward": -0.5, "index": 1, "feedback_token": token},
+                         cast_to=object)
     assert answer == {"id": r.id, "reward": -0.5, "index": 1, "updated": 1}
     assert [row["reward"] for row in _rows(served["db"], r.id)] == [None, -0.5]
-    client.post("/feedback", body={"id": r.id, "reward": 1}, cast_to=object)
+    client.post("/feedback", body={"id": r.id, "reward": 1, "feedback_token": token}, cast_to=object)
     assert [row["reward"] for row in _rows(served["db"], r.id)] == [1.0, 1.0]
-    for body, status in [({"id": r.id, "reward": 1.5}, 400), ({"id": r.id}, 400), ({"id": 5, "reward": 0}, 400),
-                         ({"id": r.id, "reward": float("nan")}, 400), ({"id": "cmpl-nope", "reward": 0.1}, 404),
-                         ({"id": r.id, "reward": 0.1, "index": 7}, 404)]:
+    other = client.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+    other_token = other.model_extra["dtrain_feedback_token"]
+    assert other_token != token
+    for body, status in [({"id": r.id, "reward": 1.5, "feedback_token": token}, 400), ({"id": r.id}, 400),
+                         ({"id": 5, "reward": 0, "feedback_token": token}, 400),
+                         ({"id": r.id, "reward": float("nan"), "feedback_token": token}, 400),
+                         ({"id": r.id, "reward": 0.1}, 400),  # no token
+                         ({"id": r.id, "reward": 0.1, "feedback_token": 7}, 400),
+                         ({"id": "cmpl-nope", "reward": 0.1, "feedback_token": token}, 404),
+                         ({"id": r.id, "reward": 0.1, "index": 7, "feedback_token": token}, 404),
+                         ({"id": r.id, "reward": -1, "feedback_token": other_token}, 403),  # another completion's
+                         ({"id": r.id, "reward": -1, "index": 0, "feedback_token": token[:-1]}, 403)]:
         code, answer = _post(served, "/v1/feedback", json.dumps(body).encode())
         assert code == status and "error" in answer, (body, code, answer)
+        if status == 403:
+            assert answer["error"]["code"] == "feedback_forbidden" and answer["error"]["param"] == "feedback_token"
     assert [row["reward"] for row in _rows(served["db"], r.id)] == [1.0, 1.0]
 
 

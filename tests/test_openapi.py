@@ -52,9 +52,9 @@ def nodes(tmp_path_factory):
         # judges contributions against its own gradient (the default; tests turn it off): the 403 of a scored-out one
         started["node"] = _start("openapi", ["--model-config", str(TINY_CONFIG), "--target-batch-size", "1",
                                              "--capture-db", str(capture), "--reference-batch", "4"])
-        # records nothing, and decodes one sequence with nobody waiting: the /v1 answers 429 and feedback's 404
+        # records nothing (no --capture-db), and decodes one sequence with nobody waiting: the /v1 answers 429 and feedback's 404
         started["other"] = _start("openapi-other", ["--model-config", str(TINY_CONFIG), "--no-data",
-                                                    "--split-model", str(split_dir), "--no-capture",
+                                                    "--split-model", str(split_dir),
                                                     "--serve-max-batch", "1", "--serve-max-n", "1",
                                                     "--serve-queue", "0", "--contributor-tokens",
                                                     str(tmp / "tokens"), "--rate-limit", "0.001", "--rate-burst", "2",
@@ -172,9 +172,10 @@ def _requests(step: int, other_step: int) -> list[tuple[str, str, str, dict, int
         ("node", "GET", "/v1/models", {}, 200),
         ("node", "GET", f"/v1/models/{model}", {}, 200),
         ("node", "GET", "/v1/models/gpt-4o", {}, 404),
-        ("node", "POST", "/v1/feedback", _v1({"id": "cmpl-unknown", "reward": 2}), 400),
-        ("node", "POST", "/v1/feedback", _v1({"id": "cmpl-unknown", "reward": 1}), 404),
-        ("other", "POST", "/v1/feedback", _v1({"id": "cmpl-any", "reward": 1}), 404),  # --no-capture
+        ("node", "POST", "/v1/feedback", _v1({"id": "cmpl-unknown", "reward": 2, "feedback_token": "t"}), 400),
+        ("node", "POST", "/v1/feedback", _v1({"id": "cmpl-unknown", "reward": 1}), 400),  # no token
+        ("node", "POST", "/v1/feedback", _v1({"id": "cmpl-unknown", "reward": 1, "feedback_token": "t"}), 404),
+        ("other", "POST", "/v1/feedback", _v1({"id": "cmpl-any", "reward": 1, "feedback_token": "t"}), 404),
         ("node", "POST", "/v1/feedback", _v1({"id": "x", "reward": 1}, chunked=True), 411),
         ("node", "POST", "/v1/feedback", {"claim": 10**12}, 413),
     ]
@@ -201,10 +202,15 @@ def _template(path: str, doc: dict) -> str:
     raise AssertionError(f"{path} matches no documented path")
 
 
-def _feedback_ok(node) -> None:
-    """The 200 of /v1/feedback: a reward for a completion this node just served."""
-    a = _send(node, "POST", "/v1/completions", **_v1({"model": TINY["name"], "prompt": "Hi", "max_tokens": 1}))
-    a = _send(node, "POST", "/v1/feedback", **_v1({"id": json.loads(a.body)["id"], "reward": 0.5}))
+def _feedback(node) -> None:
+    """The 200 and 403 of /v1/feedback: a reward for a completion this node just served, with the token it came with
+    and with another."""
+    served = json.loads(_send(node, "POST", "/v1/completions",
+                              **_v1({"model": TINY["name"], "prompt": "Hi", "max_tokens": 1})).body)
+    a = _send(node, "POST", "/v1/feedback", **_v1({"id": served["id"], "reward": 0.5, "feedback_token": "guess"}))
+    assert a.status == 403 and json.loads(a.body)["error"]["code"] == "feedback_forbidden", a
+    a = _send(node, "POST", "/v1/feedback", **_v1({"id": served["id"], "reward": 0.5,
+                                                   "feedback_token": served["dtrain_feedback_token"]}))
     assert a.status == 200 and json.loads(a.body)["updated"] == 1
 
 
@@ -262,7 +268,7 @@ def test_every_documented_status_is_answered_and_no_other(nodes):
             json.loads(a.body)
     _scored_out(nodes["node"])  # submit's 403
     _upgrade(nodes["node"])  # the stream's 101
-    _feedback_ok(nodes["node"])
+    _feedback(nodes["node"])
     model = TINY["name"]
     _queue_full(nodes["other"], "/v1/completions", {"model": model, "prompt": "Hi", "max_tokens": 40, "temperature": 0})
     _queue_full(nodes["other"], "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "Hi"}],

@@ -76,9 +76,11 @@ def test_two_nodes_average_the_adapter_and_serve_it_hot(pair):
     for node in pair:  # both nodes serve the same step, so both write the same greedy answer; both reward it
         r, lp = _greedy(node, ADAPTER)
         assert (r.choices[0].text, lp) == (before.choices[0].text, before_lp)
-        answers[node.name] = r.id
+        answers[node.name] = r
     for node in pair:
-        _client(node).post("/feedback", body={"id": answers[node.name], "reward": 1.0}, cast_to=object)
+        r = answers[node.name]
+        _client(node).post("/feedback", body={"id": r.id, "reward": 1.0,
+                                              "feedback_token": r.model_extra["dtrain_feedback_token"]}, cast_to=object)
 
     def updated():
         entries = [_entry(node, ADAPTER)["dtrain_adapter"] for node in pair]
@@ -117,7 +119,8 @@ def test_bad_adapter_requests_get_openai_errors(pair):
     assert caught.value.body["code"] == "model_not_found"
 
 
-def test_adapter_named_like_the_shared_model_is_refused_before_the_node_starts():
+def test_adapter_named_like_the_shared_model_is_refused_before_the_node_starts(tmp_path):
     out = subprocess.run([sys.executable, "-m", "dtrain.cli", "--model-config", str(TINY_CONFIG), "--feedback-lora",
-                          MODEL], cwd=REPO, capture_output=True, text=True, timeout=60)
+                          MODEL, "--capture-db", str(tmp_path / "c.sqlite")], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
     assert out.returncode == 2 and f"--feedback-lora {MODEL!r}" in out.stderr, out.stderr

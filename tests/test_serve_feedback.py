@@ -8,7 +8,7 @@ import torch
 
 from dtrain.node.config import ModelConfig, NodeConfig, SwarmConfig, TrainConfig
 from dtrain.node.model import build_model
-from dtrain.node.serve.capture import CaptureStore, Record
+from dtrain.node.serve.capture import CaptureStore, Record, token_hash
 from dtrain.node.serve.feedback import CONTRIBUTOR, FeedbackTrainer, record_loss
 from dtrain.node.serve.weights import load_snapshot
 from dtrain.node.train.trainer import TrainingNode
@@ -33,7 +33,7 @@ def node():
 def _record(cid: str, reward, prompt=PROMPT, completion=COMPLETION) -> Record:
     return Record(id=cid, choice=0, created=0.0, endpoint="text_completion", model="m", expert=None, step=1,
                   prompt="", prompt_ids=prompt, completion="", completion_ids=completion, finish_reason="length",
-                  params={}, reward=reward)
+                  params={}, reward=reward, feedback_hash=token_hash(cid))  # the id is its token here
 
 
 def _completion_logprob(node, prompt=PROMPT, completion=COMPLETION) -> float:
@@ -64,8 +64,8 @@ def test_rewarded_rows_train_the_shared_model(node, tmp_path):
     assert trainer.run_once() is None  # nothing recorded
     store.record([_record("bad", None), _record("silent", None, completion=(11,))])
     assert trainer.run_once() is None  # recorded, no reward yet
-    store.feedback("bad", -1.0)
-    store.feedback("silent", 0.0)
+    store.feedback("bad", -1.0, None, "bad")
+    store.feedback("silent", 0.0, None, "silent")
     # punished first, while AdamW has no momentum: the unlikelihood of an already unlikely completion is a small
     # gradient (it stops pushing as p -> 0), which momentum from an earlier update would outweigh
     before, step = _completion_logprob(node), node.step
@@ -79,7 +79,7 @@ def test_rewarded_rows_train_the_shared_model(node, tmp_path):
     assert (credited.accepted, credited.samples_claimed, credited.samples_credited) == (1, 1, 1)
 
     store.record([_record("good", None)])
-    store.feedback("good", 1.0)
+    store.feedback("good", 1.0, None, "good")
     before = _completion_logprob(node)
     done = trainer.run_once()
     wait_until(lambda: node.step == step + 2, 60, "the second feedback update")

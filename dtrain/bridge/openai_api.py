@@ -168,17 +168,21 @@ def parse_chat(body: Any, config: ServeConfig) -> tuple[CompletionRequest, bool,
     return request, _bool(body, "stream"), _stream_usage(body)
 
 
-def parse_feedback(body: Any) -> tuple[str, float, Optional[int]]:
-    """(completion id, reward, choice index or None for every choice) of a POST /v1/feedback body."""
+def parse_feedback(body: Any) -> tuple[str, float, Optional[int], str]:
+    """(completion id, reward, choice index or None for every choice, feedback token) of a POST /v1/feedback body."""
     body = _object(body)
     cid = body.get("id")
     if not isinstance(cid, str) or not 1 <= len(cid) <= MAX_ID_CHARS:
         raise OpenAIRequestError(f"id must be the id of a completion this node served, got {cid!r}", "id")
+    token = body.get("feedback_token")
+    if not isinstance(token, str) or not 1 <= len(token) <= MAX_ID_CHARS:
+        raise OpenAIRequestError("feedback_token is required: the dtrain_feedback_token the completion was served "
+                                 "with", "feedback_token")
     if "reward" not in body:
         raise OpenAIRequestError("reward is required: a number in [-1, 1]", "reward")
     reward = _number(body, "reward", -1.0, 1.0, 0.0)
     index = _int(body, "index", 0, 1 << 16, None)
-    return cid, reward, index
+    return cid, reward, index, token
 
 
 def _object(body: Any) -> dict:

@@ -21,7 +21,7 @@ from hivemind.utils.logging import get_logger
 from dtrain.bridge.http import ApiError, read_body
 from dtrain.bridge.openai_api import (OpenAIRequestError, chat_logprobs, completion_logprobs, error_body, fingerprint,
                                parse_chat, parse_completion, parse_feedback, usage)
-from dtrain.node.serve.capture import CaptureError
+from dtrain.node.serve.capture import CaptureError, FeedbackForbidden
 from dtrain.node.serve.engine import Delta, Done, Event, Failed, Finish, QueueFullError, ServeError, TokenLogprob
 from dtrain.node.serve.service import CHAT, CaptureOffError, ContextLengthError, Prepared, ServeService, UnknownModelError
 
@@ -130,8 +130,11 @@ async def _start(request: web.Request, chat: bool):
 
 
 def _head(prepared: Prepared, step: int, obj: str) -> dict:
-    return {"id": prepared.id, "object": obj, "created": prepared.created, "model": prepared.request.model,
+    head = {"id": prepared.id, "object": obj, "created": prepared.created, "model": prepared.request.model,
             "system_fingerprint": fingerprint(step), "dtrain_step": step}
+    if prepared.feedback_token is not None:  # only the client that got the completion can reward it
+        head["dtrain_feedback_token"] = prepared.feedback_token
+    return head
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -256,9 +259,15 @@ def _model_entry(service: ServeService, name: str) -> dict:
     return entry
 
 
+def capture_json(config) -> dict:
+    """What this node keeps of what it serves, for clients to read before they send anything."""
+    return {"recording": config.capture, "max_rows": config.capture_max_rows if config.capture else 0}
+
+
 async def models(request: web.Request) -> web.Response:
     service = request.app[SERVE].service
-    return web.json_response({"object": "list", "data": [_model_entry(service, m) for m in service.models()]})
+    return web.json_response({"object": "list", "data": [_model_entry(service, m) for m in service.models()],
+                              "dtrain_capture": capture_json(service.config)})
 
 
 async def model(request: web.Request) -> web.Response:
@@ -274,13 +283,16 @@ async def feedback(request: web.Request) -> web.Response:
     state = request.app[SERVE]
     body = await _json_body(request, state)
     try:
-        cid, reward, index = parse_feedback(body)
+        cid, reward, index, token = parse_feedback(body)
     except OpenAIRequestError as e:
         raise _bad(e) from None
     try:
-        changed = await _in_worker(state, state.service.feedback, cid, reward, index)
+        changed = await _in_worker(state, state.service.feedback, cid, reward, index, token)
     except CaptureOffError as e:
         raise OpenAIError(404, str(e), param="id", code="capture_off") from None
+    except FeedbackForbidden as e:
+        raise OpenAIError(403, str(e), kind="permission_error", param="feedback_token",
+                          code="feedback_forbidden") from None
     except CaptureError as e:
         raise OpenAIError(404, str(e), param="id", code="completion_not_found") from None
     return web.json_response({"id": cid, "reward": reward, "index": index, "updated": changed})

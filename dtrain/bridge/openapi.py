@@ -95,21 +95,30 @@ def _openai_paths() -> dict:
         "/v1/chat/completions": generation("Answer a conversation (the chat template of docs/serving.md)",
                                            "ChatRequest", "ChatCompletion"),
         "/v1/models": {"get": _op("The models this node serves: the shared model, then its LoRA experts", tag, {
-            200: _json("models", {"type": "object", "required": ["object", "data"], "properties": {
-                "object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}})})},
+            200: _json("models", {"type": "object", "required": ["object", "data", "dtrain_capture"], "properties": {
+                "object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")},
+                "dtrain_capture": {"type": "object", "required": ["recording", "max_rows"], "description": (
+                    "whether this node records what it serves (its operator set --capture-db): prompt, completion, "
+                    "token ids, step and timing of every /v1 completion, the newest max_rows kept"), "properties": {
+                        "recording": {"type": "boolean"}, "max_rows": {"type": "integer", "minimum": 0}}}}})})},
         "/v1/models/{model}": {"get": _op("One served model", tag, {
             200: _json("the model", _ref("Model")),
             404: _openai_error("no such model on this node"),
         }, parameters=({"name": "model", "in": "path", "required": True, "schema": {"type": "string"}},))},
-        "/v1/feedback": {"post": _op("Attach a reward in [-1, 1] to a completion this node served (and recorded)", tag, {
+        "/v1/feedback": {"post": _op("Attach a reward in [-1, 1] to a completion this node served (and recorded); "
+                                     "only the client that got it can, with its dtrain_feedback_token", tag, {
             200: _json("rows updated", {"type": "object", "required": ["id", "reward", "updated"]}),
-            400: _openai_error("id, reward or index is missing or out of range"),
+            400: _openai_error("id, reward, index or feedback_token is missing or out of range"),
+            403: _openai_error("the feedback_token is not the one the completion was served with (code "
+                               "feedback_forbidden); nothing is changed"),
             404: _openai_error("no such completion is recorded (code completion_not_found), or the node records "
                                "nothing (code capture_off)"),
             **_LENGTH_ERRORS,
-        }, body={"required": True, "content": {JSON: {"schema": {"type": "object", "required": ["id", "reward"],
+        }, body={"required": True, "content": {JSON: {"schema": {"type": "object",
+                                                                  "required": ["id", "reward", "feedback_token"],
                                                                   "properties": {
             "id": {"type": "string"}, "reward": {"type": "number", "minimum": -1, "maximum": 1},
+            "feedback_token": {"type": "string", "description": "the completion's dtrain_feedback_token"},
             "index": {"type": "integer", "minimum": 0, "description": "one choice; default: every choice"}}}}}})},
     }
 
@@ -290,6 +299,8 @@ def _openai_schemas() -> dict:
     head = {"id": string, "created": integer, "model": string,
             "system_fingerprint": {**string, "description": "dtrain-step-N: the model step that wrote it"},
             "dtrain_step": {**integer, "description": "the model step that wrote it"},
+            "dtrain_feedback_token": {**string, "description": "present when the node records what it serves: "
+                                                               "the secret POST /v1/feedback needs to reward it"},
             "usage": {"type": "object", "properties": {"prompt_tokens": integer, "completion_tokens": integer,
                                                        "total_tokens": integer}}}
     reason = {"enum": ["stop", "length"]}

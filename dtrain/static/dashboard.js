@@ -165,13 +165,25 @@ function renderLedger(ledger) {
   }
 }
 
+/** What the node keeps of what its /v1 API serves: the operator's choice (--capture-db), said to every visitor. */
+function renderCapture(models) {
+  const capture = models.dtrain_capture;
+  if (!capture) return;
+  $("capture").textContent = capture.recording
+    ? `records every completion (prompt, text, step, timing) on this node, the newest ${fmtInt(capture.max_rows)} kept; ` +
+      "only the client that got a completion can reward it"
+    : "records nothing it serves (no --capture-db) and takes no feedback";
+}
+
 async function poll() {
-  const [losses, info, ledger] = await Promise.allSettled([
+  const [losses, info, ledger, models] = await Promise.allSettled([
     getJSON("/api/v1/server/losses"),
     getJSON("/api/v1/model/info"),
     getJSON("/api/v1/contributors?limit=50"),
+    getJSON("/v1/models"),
   ]);
   if (ledger.status === "fulfilled") renderLedger(ledger.value);
+  if (models.status === "fulfilled") renderCapture(models.value);
   if (losses.status === "fulfilled") {
     lastLosses = losses.value;
     drawLoss(lastLosses);

@@ -4,13 +4,20 @@ One row per choice: `(id, choice)` is the completion id the client got and the c
 training on it needs exactly (the prompt and completion token ids as the model saw and wrote them, the model step)
 and what a person reading it wants (texts, parameters, timing). `POST /v1/feedback` sets `reward`; the feedback
 trainer sets `trained_step` once a row went into a contribution. Retention: past `max_rows` rows the oldest are
-deleted on insert. The file is created at the first record, so a node that serves nothing writes nothing.
+deleted on insert. The file is created at the first record, so a node that serves nothing writes nothing; a node
+records at all only when its operator names the file (`--capture-db`).
+
+Who may reward a completion: the client that received it. Each completion is served with a random feedback token;
+the row keeps only the token's SHA-256 (`feedback_hash`), and feedback must present the token. Knowing an id (from
+a log, a shared transcript) is not enough to steer what the feedback trainer learns.
 
 One connection, shared by the threads that record and read (serialized by a lock; SQLite's own locking keeps a
 second process reading the file safe). WAL journal: readers do not block the writer.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import math
 import sqlite3
@@ -46,6 +53,7 @@ CREATE TABLE IF NOT EXISTS completions (
     reward REAL,                            -- in [-1, 1], from POST /v1/feedback; NULL until given
     rewarded_at REAL,
     trained_step INTEGER,                   -- the step whose contribution used this row; NULL until then
+    feedback_hash TEXT,                     -- SHA-256 (hex) of the feedback token the client got; NULL: no feedback
     UNIQUE (id, choice)
 );
 CREATE INDEX IF NOT EXISTS completions_untrained ON completions (trained_step, reward);
@@ -54,6 +62,15 @@ CREATE INDEX IF NOT EXISTS completions_untrained ON completions (trained_step, r
 
 class CaptureError(ValueError):
     """Feedback that cannot be attached: unknown id or choice."""
+
+
+class FeedbackForbidden(CaptureError):
+    """Feedback without the token its completion was served with."""
+
+
+def token_hash(token: str) -> str:
+    """What the store keeps of a feedback token: its SHA-256, hex (the token itself never touches the disk)."""
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -78,10 +95,11 @@ class Record:
     total_ms: Optional[float] = None
     reward: Optional[float] = None
     trained_step: Optional[int] = None
+    feedback_hash: Optional[str] = None
 
 
 _COLUMNS = ("id", "choice", "created", "endpoint", "model", "expert", "step", "prompt", "prompt_ids", "completion",
-            "completion_ids", "finish_reason", "params", "queue_ms", "first_token_ms", "total_ms")
+            "completion_ids", "finish_reason", "params", "queue_ms", "first_token_ms", "total_ms", "feedback_hash")
 
 
 class CaptureStore:
@@ -102,6 +120,9 @@ class CaptureStore:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.executescript(SCHEMA)
+            columns = {row[1] for row in conn.execute("PRAGMA table_info(completions)")}
+            if "feedback_hash" not in columns:  # a file written before tokens: its rows take no feedback
+                conn.execute("ALTER TABLE completions ADD COLUMN feedback_hash TEXT")
             self._conn = conn
         return self._conn
 
@@ -117,7 +138,7 @@ class CaptureStore:
         """Insert the choices of one completion, then drop the oldest rows past `max_rows`."""
         rows = [(r.id, r.choice, r.created, r.endpoint, r.model, r.expert, r.step, r.prompt, json.dumps(r.prompt_ids),
                  r.completion, json.dumps(r.completion_ids), r.finish_reason, json.dumps(r.params, sort_keys=True),
-                 r.queue_ms, r.first_token_ms, r.total_ms) for r in records]
+                 r.queue_ms, r.first_token_ms, r.total_ms, r.feedback_hash) for r in records]
         with self._lock:
             db = self._db(create=True)
             with db:
@@ -126,24 +147,31 @@ class CaptureStore:
                 db.execute("DELETE FROM completions WHERE seq <= (SELECT MAX(seq) FROM completions) - ?",
                            (self.max_rows,))
 
-    def feedback(self, completion_id: str, reward: float, choice: Optional[int] = None) -> int:
-        """Attach `reward` to one choice (or every choice) of a completion; returns the rows changed."""
+    def feedback(self, completion_id: str, reward: float, choice: Optional[int], token: str) -> int:
+        """Attach `reward` to one choice (or every choice) of a completion whose feedback token is `token`; returns
+        the rows changed. Nothing changes unless every addressed row was served with that token."""
         if not (isinstance(reward, (int, float)) and math.isfinite(reward) and -1.0 <= reward <= 1.0):
             raise CaptureError(f"reward must be a number in [-1, 1], got {reward!r}")
+        if not isinstance(token, str) or not token:
+            raise FeedbackForbidden("feedback needs the feedback token the completion was served with")
+        what = f"choice {choice} of completion {completion_id!r}" if choice is not None else \
+            f"completion {completion_id!r}"
+        expected = token_hash(token)
         with self._lock:
             db = self._db(create=False)
             if db is None:
-                raise CaptureError(f"no completion {completion_id!r} was recorded")
+                raise CaptureError(f"no {what} is recorded (never served here, or dropped by retention)")
             with db:
                 where, args = "id = ?", [completion_id]
                 if choice is not None:
                     where, args = "id = ? AND choice = ?", [completion_id, choice]
+                hashes = [row[0] for row in db.execute(f"SELECT feedback_hash FROM completions WHERE {where}", args)]
+                if not hashes:
+                    raise CaptureError(f"no {what} is recorded (never served here, or dropped by retention)")
+                if not all(h is not None and hmac.compare_digest(h, expected) for h in hashes):
+                    raise FeedbackForbidden(f"the feedback token does not match {what}")
                 changed = db.execute(f"UPDATE completions SET reward = ?, rewarded_at = ? WHERE {where}",
                                      [float(reward), time.time(), *args]).rowcount
-        if changed == 0:
-            what = f"choice {choice} of completion {completion_id!r}" if choice is not None else \
-                f"completion {completion_id!r}"
-            raise CaptureError(f"no {what} is recorded (never served here, or dropped by retention)")
         return changed
 
     def mark_trained(self, keys: Sequence[tuple[int]], step: int) -> None:

@@ -1,5 +1,5 @@
 """The node's serving options (`dtrain-node` flags in the "serving" group): the OpenAI-compatible API, the capture
-of what it serves and the feedback that trains on it."""
+of what it serves (off unless the operator names a file) and the feedback that trains on it."""
 from __future__ import annotations
 
 import math
@@ -19,10 +19,10 @@ class ServeConfig:
     max_n: int = option(4, "--serve-max-n", "largest n (choices) of one request")
     max_batch: int = option(32, "--serve-max-batch", "sequences decoded together in the running batch")
     queue_size: int = option(64, "--serve-queue", "requests waiting for room in the running batch; past it 429")
-    capture: bool = option(True, "--no-capture", "record nothing of what is served (and take no feedback)",
-                           action="store_false", dest="capture")
-    capture_db: str = option("dtrain-capture.sqlite", "--capture-db", "SQLite file of served completions and "
-                                                                     "their rewards (created at the first one)")
+    capture_db: Optional[str] = option(None, "--capture-db", "record every /v1 completion (prompt, completion, "
+                                       "token ids, step, timing) and its rewards in this SQLite file, created at the "
+                                       "first one; without it nothing served is kept and no feedback is taken",
+                                       metavar="PATH")
     capture_max_rows: int = option(100_000, "--capture-max-rows", "completions kept in the capture db; the oldest "
                                                                   "are dropped beyond it")
     feedback_train: bool = option(False, "--feedback-train", "turn rewarded completions into training "
@@ -58,18 +58,22 @@ class ServeConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"serve: {name} must be > 0 seconds, got {value!r}")
+        if self.capture_db is not None and (not isinstance(self.capture_db, str) or not self.capture_db.strip()):
+            raise ValueError(f"serve: --capture-db must be a file path, got {self.capture_db!r}")
         if self.feedback_train and not self.capture:
-            raise ValueError("serve: --feedback-train trains on captured completions; it cannot run with --no-capture")
+            raise ValueError("serve: --feedback-train trains on recorded completions; it needs --capture-db PATH")
         if self.feedback_lora is not None:
             check_adapter_name(self.feedback_lora)
             if self.feedback_train:
                 raise ValueError("serve: --feedback-train trains the shared model and --feedback-lora an adapter "
                                  "instead of it; choose one")
             if not self.capture:
-                raise ValueError("serve: --feedback-lora trains on captured completions; it cannot run with "
-                                 "--no-capture")
-        if not self.capture_db:
-            raise ValueError("serve: capture_db must be a file path (use --no-capture to record nothing)")
+                raise ValueError("serve: --feedback-lora trains on recorded completions; it needs --capture-db PATH")
+
+    @property
+    def capture(self) -> bool:
+        """The operator chose to record what is served (and so to take feedback on it)."""
+        return self.capture_db is not None
 
 
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional, Sequence
 from hivemind.utils.logging import get_logger
 
 from dtrain.node.serve import chat_template
-from dtrain.node.serve.capture import CaptureStore, Record
+from dtrain.node.serve.capture import CaptureStore, Record, token_hash
 from dtrain.node.serve.config import ServeConfig
 from dtrain.node.serve.engine import Event, Generation, ServeEngine, ServeError, Ticket
 from dtrain.node.serve.sampling import SamplingParams
@@ -38,7 +38,7 @@ class ContextLengthError(ServeError):
 
 
 class CaptureOffError(ServeError):
-    """Feedback was sent to a node that records nothing (--no-capture)."""
+    """Feedback was sent to a node that records nothing (no --capture-db)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,7 @@ class Prepared:
     request: CompletionRequest
     prompt_text: str  # what the model reads (chat: the rendered template)
     generation: Generation
+    feedback_token: Optional[str] = None  # what the client presents to reward it; None when nothing is recorded
 
 
 class ServeService:
@@ -140,9 +141,11 @@ class ServeService:
         params = SamplingParams(max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
                                 seed=request.seed, stop=stop, logprobs=request.logprobs)
         prefix = "chatcmpl-" if request.kind == CHAT else "cmpl-"
+        token = secrets.token_urlsafe(24) if self.capture is not None else None
         return Prepared(id=prefix + secrets.token_hex(12), created=int(time.time()), request=request, prompt_text=text,
                         generation=Generation(tuple(ids), params, n=request.n, expert=expert,
-                                              strip_leading=request.kind == CHAT))
+                                              strip_leading=request.kind == CHAT),
+                        feedback_token=token)
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text).ids)
@@ -151,7 +154,7 @@ class ServeService:
         return self.engine.submit(prepared.generation, on_event)
 
     def record(self, prepared: Prepared, ticket: Ticket) -> None:
-        """Write a finished completion's choices into the capture store (nothing with --no-capture)."""
+        """Write a finished completion's choices into the capture store (nothing without --capture-db)."""
         if self.capture is None or ticket.step is None:
             return
         req = prepared.request
@@ -163,14 +166,16 @@ class ServeService:
                           prompt_ids=prepared.generation.prompt_ids, completion=ticket.texts[i],
                           completion_ids=tuple(ticket.token_ids[i]), finish_reason=ticket.finish_reasons[i] or "",
                           params=params, queue_ms=ticket.queue_ms, first_token_ms=ticket.first_token_ms,
-                          total_ms=ticket.total_ms)
+                          total_ms=ticket.total_ms,
+                          feedback_hash=token_hash(prepared.feedback_token) if prepared.feedback_token else None)
                    for i in range(prepared.generation.n)]
         self.capture.record(records)
 
-    def feedback(self, completion_id: str, reward: float, choice: Optional[int] = None) -> int:
+    def feedback(self, completion_id: str, reward: float, choice: Optional[int], token: str) -> int:
         if self.capture is None:
-            raise CaptureOffError("this node records no completions (--no-capture), so it takes no feedback")
-        return self.capture.feedback(completion_id, reward, choice)
+            raise CaptureOffError("this node records no completions (its operator did not set --capture-db), so it "
+                                  "takes no feedback")
+        return self.capture.feedback(completion_id, reward, choice, token)
 
 
 def for_node(node, config: ServeConfig, tokenizer: Any, experts=None) -> ServeService:
