@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from dtrain.bridge import dgrd
+from tests.adamw import gpt2_adamw
 from tests.inproc import InProcessNode
 from tests.nodeproc import TINY_CONFIG, new_run_id, wait_until
 
@@ -105,19 +106,22 @@ def weighted_gradient(manifest, contributions) -> list[np.ndarray]:
     return [s / np.float32(total) for s in sums]
 
 
-def adamw_step(params: list[np.ndarray], grads: list[np.ndarray], steps_before: int = 0) -> list[np.ndarray]:
-    """One torch AdamW step from fresh state; `steps_before` zero-gradient, lr-0 steps first only count up
-    Adam's step (what hivemind's initialize_optimizer_state_ leaves behind), for the diagnosis below."""
+def adamw_step(manifest, params: list[np.ndarray], grads: list[np.ndarray], steps_before: int = 0) -> list[np.ndarray]:
+    """One torch AdamW step from fresh state, GPT-2's weight-decay grouping; `steps_before` zero-gradient, lr-0 steps
+    first only count up Adam's step (what hivemind's initialize_optimizer_state_ leaves behind), for the diagnosis
+    below."""
     tensors = [torch.nn.Parameter(torch.from_numpy(p.copy())) for p in params]
-    opt = torch.optim.AdamW(tensors, lr=TRAIN_CONFIG["learning_rate"],
-                            betas=(TRAIN_CONFIG["beta1"], TRAIN_CONFIG["beta2"]),
-                            eps=TRAIN_CONFIG["eps"], weight_decay=TRAIN_CONFIG["weight_decay"])
+    opt = gpt2_adamw(tensors, [t["shape"] for t in manifest], lr=TRAIN_CONFIG["learning_rate"],
+                     betas=(TRAIN_CONFIG["beta1"], TRAIN_CONFIG["beta2"]), eps=TRAIN_CONFIG["eps"],
+                     weight_decay=TRAIN_CONFIG["weight_decay"])
     for _ in range(steps_before):
-        opt.param_groups[0]["lr"] = 0.0
+        for group in opt.param_groups:
+            group["lr"] = 0.0
         for t in tensors:
             t.grad = torch.zeros_like(t)
         opt.step()
-        opt.param_groups[0]["lr"] = TRAIN_CONFIG["learning_rate"]
+        for group in opt.param_groups:
+            group["lr"] = TRAIN_CONFIG["learning_rate"]
     for t, g in zip(tensors, grads):
         t.grad = torch.from_numpy(g.copy())
     opt.step()
@@ -178,10 +182,10 @@ def test_second_contributor_triggers_exactly_one_adamw_update(node, manifest):
     after_step, after = download_f32(node, manifest)
     assert after_step == step + 1
     grads = weighted_gradient(manifest, [(3, alice), (1, alice2), (2, bob)])
-    expected = adamw_step(before, grads)
+    expected = adamw_step(manifest, before, grads)
     errors = [float(np.abs(got - want).max()) for got, want in zip(after, expected)]
     if max(errors) > 1e-6:
-        warm = adamw_step(before, grads, steps_before=1)
+        warm = adamw_step(manifest, before, grads, steps_before=1)
         warm_error = max(float(np.abs(got - want).max()) for got, want in zip(after, warm))
         worst = int(np.argmax(errors))
         pytest.fail(

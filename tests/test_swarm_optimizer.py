@@ -11,6 +11,7 @@ import torch
 from dtrain.node.swarm import optimizer as swarm
 from dtrain.node.config import ModelConfig, SwarmConfig, TrainConfig
 from dtrain.node.model import build_model
+from tests.adamw import gpt2_adamw
 from tests.nodeproc import TINY_CONFIG, new_run_id
 
 pytestmark = pytest.mark.swarm
@@ -39,8 +40,9 @@ def _gradient(model) -> list[torch.Tensor]:
 
 def _reference_step(reference, grads):
     """One plain torch AdamW step from the same start: what the swarm's update must be."""
-    opt = torch.optim.AdamW(reference.parameters(), lr=TRAIN.learning_rate, betas=(TRAIN.beta1, TRAIN.beta2),
-                            eps=TRAIN.eps, weight_decay=TRAIN.weight_decay)
+    params = list(reference.parameters())
+    opt = gpt2_adamw(params, [q.shape for q in params], lr=TRAIN.learning_rate, betas=(TRAIN.beta1, TRAIN.beta2),
+                     eps=TRAIN.eps, weight_decay=TRAIN.weight_decay)
     for p, g in zip(reference.parameters(), grads):
         p.grad = g.clone()
     opt.step()

@@ -13,6 +13,7 @@ from dtrain.node.contribution import Contribution, Section
 from dtrain.node.train.pool import StepMismatch
 from dtrain.node.snapshot import params_digest
 from dtrain.node.train.trainer import TrainingNode
+from tests.adamw import gpt2_adamw
 from tests.nodeproc import TINY_CONFIG, new_run_id, wait_until
 
 pytestmark = pytest.mark.unit
@@ -49,8 +50,9 @@ def test_two_contributors_make_one_exact_adamw_update(node):  # first: it needs 
     node.submit(_dense("b", 1, 1, 6.0, g2))
     wait_until(lambda: node.step == 2, 30, "the update")
 
-    opt = torch.optim.AdamW(reference.parameters(), lr=TRAIN.learning_rate, betas=(TRAIN.beta1, TRAIN.beta2),
-                            eps=TRAIN.eps, weight_decay=TRAIN.weight_decay)
+    params = list(reference.parameters())
+    opt = gpt2_adamw(params, [q.shape for q in params], lr=TRAIN.learning_rate, betas=(TRAIN.beta1, TRAIN.beta2),
+                     eps=TRAIN.eps, weight_decay=TRAIN.weight_decay)
     for p, a, b in zip(reference.parameters(), g1, g2):
         p.grad = ((torch.from_numpy(a) * 3 + torch.from_numpy(b) * 1) / 4).view_as(p)
     opt.step()

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dtrain.bridge import dgrd
+from tests.adamw import gpt2_adamw
 from tests.inproc import InProcessNode
 from tests.nodeproc import TINY_CONFIG, new_run_id, wait_until
 from tests.test_bridge_semantics import download_f32
@@ -222,8 +223,8 @@ def test_direction_check_drops_a_packet_against_the_momentum_and_nothing_else(tm
         assert all((ledger[w]["outliers"], ledger[w]["samples_credited"]) == (0, 4) for w in ("first", "second"))
         # the bytes are those of two AdamW steps on g1 then g2 alone: the flipped packet added nothing
         params = [torch.nn.Parameter(torch.from_numpy(a.copy())) for a in start]
-        opt = torch.optim.AdamW(params, lr=TRAIN["learning_rate"], betas=(TRAIN["beta1"], TRAIN["beta2"]),
-                                eps=TRAIN["eps"], weight_decay=TRAIN["weight_decay"])
+        opt = gpt2_adamw(params, [t["shape"] for t in manifest], lr=TRAIN["learning_rate"],
+                         betas=(TRAIN["beta1"], TRAIN["beta2"]), eps=TRAIN["eps"], weight_decay=TRAIN["weight_decay"])
         for g in (g1, g2):
             for p, i, v in zip(params, idx, g):
                 p.grad = torch.zeros_like(p)

@@ -50,13 +50,43 @@ class NoSwarmRound(Exception):
     """A client-mode peer's gradient round did not complete: it makes no update (SwarmOptimizer)."""
 
 
+def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW parameter groups as GPT-2 is trained (nanoGPT's rule): weight decay on the matrices (embeddings,
+    attention and MLP weights), none on biases and LayerNorm weights (every tensor of fewer than 2 dimensions).
+
+    The groups are runs of consecutive parameters, so flattening them gives `model.parameters()`'s order: the order
+    of the manifest, of the gradients the node computes, and of hivemind's averaged tensors."""
+    groups: list[dict] = []
+    for param in model.parameters():
+        decay = weight_decay if param.dim() >= 2 else 0.0
+        if groups and groups[-1]["weight_decay"] == decay:
+            groups[-1]["params"].append(param)
+        else:
+            groups.append({"params": [param], "weight_decay": decay})
+    return groups
+
+
+def regroup_state_dict(saved: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """An optimizer state_dict saved with other parameter groups (a checkpoint from before decay_groups), laid out
+    as `optimizer`'s: per-parameter state is keyed by the flat parameter index, which the layouts share."""
+    flat = [i for group in saved["param_groups"] for i in group["params"]]
+    ours = [p for group in optimizer.param_groups for p in group["params"]]
+    if len(flat) != len(ours):
+        raise ValueError(f"the saved optimizer state holds {len(flat)} parameters, the model {len(ours)}")
+    groups, start = [], 0
+    for group in optimizer.param_groups:
+        end = start + len(group["params"])
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": flat[start:end]})
+        start = end
+    return {"state": saved["state"], "param_groups": groups}
+
+
 def make_local_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.optim.AdamW:
     optimizer = torch.optim.AdamW(
-        model.parameters(),
+        decay_groups(model, train.weight_decay),
         lr=train.learning_rate,
         betas=(train.beta1, train.beta2),
         eps=train.eps,
-        weight_decay=train.weight_decay,
     )
     # Give AdamW its (empty) state now. hivemind otherwise creates it with a zero-gradient optimizer step, which
     # applies weight decay to the seeded weights and starts Adam's bias correction one step late.

@@ -37,7 +37,7 @@ from dtrain.node.swarm.presence import ANNOUNCE_EVERY_S, PeerInfo, Presence
 from dtrain.node.train.reference import ReferenceConfig, ReferenceSource
 from dtrain.node.train.robust import RobustAggregator, RobustConfig, all_finite, optimizer_state_tensors
 from dtrain.node.snapshot import Snapshot, make_snapshot, params_digest
-from dtrain.node.swarm.optimizer import SHUTDOWN_TIMEOUT_S, Swarm, make_local_optimizer
+from dtrain.node.swarm.optimizer import SHUTDOWN_TIMEOUT_S, Swarm, make_local_optimizer, regroup_state_dict
 
 logger = get_logger(__name__)
 
@@ -245,7 +245,10 @@ class TrainingNode:
         if restored is not None:
             # restore before hivemind wraps the optimizer: its averagers keep references to these tensors
             self.model.load_state_dict(restored.model_state)
-            local_opt.load_state_dict(restored.optimizer_state)
+            saved = restored.optimizer_state
+            if len(saved["param_groups"]) != len(local_opt.param_groups):
+                saved = regroup_state_dict(saved, local_opt)
+            local_opt.load_state_dict(saved)
             self._losses = list(restored.losses)
             logger.info(f"Restored checkpoint: epoch {restored.epoch}, {len(restored.losses)} losses")
 
