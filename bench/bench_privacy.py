@@ -54,7 +54,9 @@ def main() -> None:
         from dtrain.node import checkpoint
 
         restored = checkpoint.load(args.checkpoint_dir)
-        model.load_state_dict(restored.model_state)
+        from dtrain.node.hfdir import load_params
+
+        load_params(model, restored.params)
         source = f"checkpoint {args.checkpoint_dir} (epoch {restored.epoch})"
     wte = model.transformer.wte.weight.detach()
     seq = min(mc.max_seq_len, 128)

@@ -61,13 +61,28 @@ def build(config: NodeConfig) -> Built:
     from dtrain.node.tokenizer import load_tokenizer
     from dtrain.node.train.trainer import TrainingNode
 
-    model_config = ModelConfig.load(config.model_config_path())
+    imported = None
+    if config.init_from:
+        from dtrain.node.hfdir import HFImportError, read as read_hf
+
+        try:
+            imported = read_hf(config.init_from)
+        except HFImportError as e:
+            raise ConfigError(f"--init-from: {e}") from None
+        model_config = imported.config
+        logger.info(f"Model from {config.init_from}: {model_config.architecture()}")
+    else:
+        model_config = ModelConfig.load(config.model_config_path())
     adapter = config.serve.feedback_lora
     if adapter is not None and adapter in (model_config.name, *(name for name, _ in config.split.experts)):
         raise ConfigError(f"--feedback-lora {adapter!r}: the shared model or a hosted --expert has that name already")
     train_config = TrainConfig.load(config.train_config_path())
-    tokens = tokenizer_files(config.static_dir)
+    # the imported checkpoint's own tokenizer files when it has them, else the static dir's, else GPT-2's
+    tokens = tokenizer_files(imported.tokenizer_dir if imported and imported.tokenizer_dir else config.static_dir)
     tokenizer = load_tokenizer(tokens)
+    if tokenizer.get_vocab_size() > model_config.vocab_size:
+        raise ConfigError(f"the tokenizer ({tokens.vocab}) has {tokenizer.get_vocab_size()} tokens and the model's "
+                          f"vocab_size is {model_config.vocab_size}: its ids would not fit the embedding")
     dataset = TokenDataset.from_text_file(config.train_data, tokenizer) if config.train_data else None
     # contributors get batches of the node's own text, else of the packaged corpus: never trained on here, so
     # a node alone still makes one update per min_nodes_for_update contributors
@@ -76,7 +91,8 @@ def build(config: NodeConfig) -> Built:
     # the trusted reference is the node's own gradient on its own text: --train-data, else the packaged corpus
     own = dataset if dataset is not None else (served if served is not None else load_corpus())
     node = TrainingNode(config, model_config, train_config, dataset,
-                        reference_data=own if config.reference_batch > 0 else None)
+                        reference_data=own if config.reference_batch > 0 else None,
+                        init_params=imported.params if imported is not None else None)
     logger.info(f"Model {model_config.name}: {node.total_params:,} parameters; joining the swarm")
     node.start()  # on the main thread: hivemind's averagers install signal handlers
     try:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import itertools
 import re
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 from dtrain.bridge import dgrd
 from dtrain.node.swarm.records import RECORD_TTL_S as NODES_TTL_S
 from tests.texts import shakespeare
-from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, pid_alive, print_logs, start_swarm, wait_until
+from tests.nodeproc import REPO, TINY_CONFIG, NodeProcess, new_run_id, pid_alive, print_logs, start_swarm, wait_until
 from tests.test_bridge_semantics import submit
 
 pytestmark = pytest.mark.swarm
@@ -168,7 +170,12 @@ def test_checkpoint_round_trip(text_file, tmp_path):
         # the loss history of the last step, as the stopping node logged it
         logged_losses = [float(x) for x in re.findall(r"update \d+: \d+ samples, loss ([0-9.]+)", node.output())]
         last_step, last_digest = max(node.digests().items())
-        assert (ckpt_dir / "state.pt").exists() and not (ckpt_dir / "state.pt.tmp").exists()
+        assert (ckpt_dir / "state.safetensors").exists() and not (ckpt_dir / "state.safetensors.tmp").exists()
+        # the checkpoint leaves as a Hugging Face directory holding exactly the last step's parameters
+        out = subprocess.run([sys.executable, "-m", "dtrain.clients.export", "--checkpoint", str(ckpt_dir), "--out",
+                              str(tmp_path / "hf")], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and last_digest in out.stdout, out.stderr
+        assert f"step {last_step}" in (tmp_path / "hf" / "README.md").read_text()
         restarted = NodeProcess("A2", ["--model-config", str(TINY_CONFIG), "--checkpoint-dir", str(ckpt_dir)],
                                 new_run_id())
         try:

@@ -57,6 +57,10 @@ class ModelConfig:
     def load(cls, path: Path | str) -> "ModelConfig":
         return _from_mapping(cls, _read_json(path), str(path))
 
+    def architecture(self) -> dict[str, int]:
+        """What makes two models the same shape (the name and the seed do not)."""
+        return {k: getattr(self, k) for k in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len")}
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -159,6 +163,10 @@ class NodeConfig:
                              "configs, tokenizer files and pages served under /static/")
     model_config: Optional[str] = option(None, "--model-config",
                                          "model config JSON (default <static-dir>/model_config.json)")
+    init_from: Optional[str] = option(None, "--init-from", "start a new swarm from a Hugging Face GPT-2 directory "
+                                      "(config.json and model.safetensors or pytorch_model.bin): its shape, weights "
+                                      "and tokenizer files; a node that joins a swarm still takes the swarm's state",
+                                      metavar="DIR")
     train_config: Optional[str] = option(None, "--train-config",
                                          "optimizer config JSON (default <static-dir>/train_config.json)")
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
@@ -210,6 +218,9 @@ class NodeConfig:
     serve: ServeConfig = field(default_factory=ServeConfig)  # the OpenAI-compatible API, capture and feedback
 
     def __post_init__(self):
+        if self.init_from is not None and self.model_config is not None:
+            raise ConfigError("--init-from takes the model's shape from the directory's config.json; drop "
+                              "--model-config")
         if not isinstance(self.max_pending_mib, int) or self.max_pending_mib < 0:
             raise ConfigError(f"max_pending_mib must be an integer >= 0 (0: no bound), got {self.max_pending_mib!r}")
         if not 0 <= self.reference_batch <= 256:

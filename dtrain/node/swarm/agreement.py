@@ -113,7 +113,7 @@ class Agreement:
         self.wait_s = WAIT_MARGIN_S + config.matchmaking_time_s + 2 * config.averaging_timeout_s
         # the members of one complete gradient round publish within one state-averaging round of each other
         self.group_wait_s = GROUP_MARGIN_S + config.matchmaking_time_s + config.averaging_timeout_s
-        self.seed_digest = seed_digest  # the parameters of epoch 0 (the seeded model)
+        self.seed_digest = seed_digest  # this node's parameters of epoch 0 (seeded, or imported with --init-from)
         self._records: dict[int, Record] = {}  # epoch -> what this peer published for it (the last KEEP_EPOCHS)
         self._next_recheck = 0.0
         self._swarm_epoch = 0  # the latest epoch of the swarm this peer has seen (see `saw`)
@@ -179,12 +179,12 @@ class Agreement:
             epoch, digest = opt.local_epoch, params_digest(self.model)
             if digest == want_digest:
                 return Download.CHECKED
-            if epoch == 0:  # the seeded model is the only state of epoch 0
+            if epoch == 0:
                 swarm_epoch = self.saw(opt.tracker.global_epoch)
-                if digest == self.seed_digest and swarm_epoch == 0:
+                if swarm_epoch == 0 and self._is_epoch_zero(digest):
                     return Download.CHECKED
                 logger.info(f"No state of the swarm's epoch {swarm_epoch} came (no peer shared one, "
-                            f"or it was not the seeded model of epoch 0); loading again")
+                            f"or it was not the swarm's start); loading again")
                 continue
             deadline = time.monotonic() + self.wait_s  # the peers may still be finishing this update
             while not (published := self._others(epoch)) and time.monotonic() < deadline:
@@ -209,9 +209,15 @@ class Agreement:
         peers serve for its epoch, else downloaded again through `load_state_from_peers`."""
         epoch, digest = self.optimizer.local_epoch, params_digest(self.model)
         published = self._others(epoch)
-        if (epoch == 0 and digest == self.seed_digest) or _is_reference(published, digest):
+        if (epoch == 0 and self._is_epoch_zero(digest)) or _is_reference(published, digest):
             return Download.CHECKED
         return self.load_state_from_peers()
+
+    def _is_epoch_zero(self, digest: str) -> bool:
+        """The swarm's start: what its founder published for epoch 0 (a swarm started --init-from a checkpoint), or,
+        when no one did, the seeded model every node builds alike."""
+        published = self._others(0)
+        return _is_reference(published, digest) if published else digest == self.seed_digest
 
     # ---- after an update -------------------------------------------------------------------------------------
 

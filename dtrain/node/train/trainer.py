@@ -22,7 +22,7 @@ from hivemind.utils.logging import get_logger
 
 from dtrain.node import checkpoint as ckpt
 from dtrain.node.swarm.agreement import Agreement, Download
-from dtrain.node.config import ModelConfig, NodeConfig, TrainConfig
+from dtrain.node.config import ConfigError, ModelConfig, NodeConfig, TrainConfig
 from dtrain.node.contribution import Contribution
 from dtrain.node.data import TokenDataset
 from dtrain.node.lowcomm import codec as lowcomm_codec
@@ -31,6 +31,7 @@ from dtrain.node.lowcomm.outer import OuterNesterov
 from dtrain.node.lowcomm.rounds import InnerRounds
 from dtrain.node.train.gradient import PendingGradient
 from dtrain.node.train.ledger import ContributorLedger, ScoringConfig
+from dtrain.node.hfdir import load_params
 from dtrain.node.model import TensorInfo, build_model, tensor_infos
 from dtrain.node.train.pool import ContributionPool
 from dtrain.node.swarm.presence import ANNOUNCE_EVERY_S, PeerInfo, Presence
@@ -82,12 +83,15 @@ class TrainingNode:
 
     def __init__(self, config: NodeConfig, model_config: ModelConfig, train_config: TrainConfig,
                  dataset: Optional[TokenDataset] = None, ledger: Optional[ContributorLedger] = None,
-                 reference_data: Optional[TokenDataset] = None):
+                 reference_data: Optional[TokenDataset] = None, init_params: Optional[dict] = None):
         """`reference_data`: the node's own text for the trusted reference (train/reference.py), `dataset` or the
-        packaged corpus; None (or --reference-batch 0): no reference."""
+        packaged corpus; None (or --reference-batch 0): no reference. `init_params`: the weights a new swarm starts
+        from (--init-from) instead of the seeded ones; a joiner takes the swarm's state whatever it started with."""
         self.config, self.model_config, self.train_config = config, model_config, train_config
         self.dataset = dataset
         self.model = build_model(model_config)
+        if init_params is not None:
+            load_params(self.model, init_params)
         self.tensors: tuple[TensorInfo, ...] = tensor_infos(self.model)
         self.total_params = sum(t.elements for t in self.tensors)
         self.pool = ContributionPool(train_config.min_nodes_for_update, lambda: self.step, config.max_pending_bytes)
@@ -242,9 +246,14 @@ class TrainingNode:
         if self.low_comm:  # hivemind wraps the outer step; the inner AdamW is this node's own
             inner, local_opt = local_opt, OuterNesterov(self.model.parameters(), lr=cfg.swarm.outer_lr,
                                                         momentum=cfg.swarm.outer_momentum)
+        if restored is not None and restored.model_config is not None and \
+                restored.model_config.architecture() != self.model_config.architecture():
+            raise ConfigError(f"the checkpoint in {cfg.checkpoint_dir} holds a model of shape "
+                              f"{restored.model_config.architecture()}, this node's is "
+                              f"{self.model_config.architecture()}")
         if restored is not None:
             # restore before hivemind wraps the optimizer: its averagers keep references to these tensors
-            self.model.load_state_dict(restored.model_state)
+            load_params(self.model, restored.params)
             saved = restored.optimizer_state
             if len(saved["param_groups"]) != len(local_opt.param_groups):
                 saved = regroup_state_dict(saved, local_opt)
@@ -265,7 +274,8 @@ class TrainingNode:
         self._rng = np.random.default_rng(int.from_bytes(swarm.peer_id.encode()[-8:], "little"))
 
         checked = restored is not None  # bytes this node may vouch for: a checkpoint, or a checked download
-        if cfg.swarm.initial_peers:
+        founder = not cfg.swarm.initial_peers
+        if not founder:
             swarm.wait_for_progress(timeout_s=10.0)
             behind = self.agreement.saw(opt.tracker.global_epoch) > opt.local_epoch
             if restored is None or behind or not self._swarm_serves_my_bytes():
@@ -274,7 +284,8 @@ class TrainingNode:
             self.rounds = InnerRounds(list(self.model.parameters()), inner, cfg.swarm.inner_steps)
             opt.tracker.round_due = lambda: self._round_due
         snap = make_snapshot(self.model, opt.local_epoch)
-        if checked and snap.updates > 0:
+        if (checked and snap.updates > 0) or (founder and snap.updates == 0):
+            # a founder's epoch 0 is the swarm's start, which a joiner cannot rebuild when it was imported
             self.agreement.vouch(snap)
         self._publish(snap)
         self._last_checkpoint_epoch = opt.local_epoch
@@ -644,10 +655,11 @@ class TrainingNode:
             return
         try:
             ckpt.save(self.config.checkpoint_dir, ckpt.Checkpoint(
-                model_state={k: v.clone() for k, v in self.model.state_dict().items()},
+                params=dict(self.model.named_parameters()),
                 optimizer_state=self.swarm.optimizer.state_averager.optimizer.state_dict(),
                 epoch=self.swarm.epoch,
                 losses=self.losses(),
+                model_config=self.model_config,
             ))
         except Exception as e:
             logger.exception(f"Checkpoint failed: {e}")
