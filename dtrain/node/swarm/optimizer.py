@@ -238,6 +238,20 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._round_group = tuple(sorted(str(peer) for peer in group_info))
         self._round_clean = True
 
+    # Pre-scheduled rounds only with company. hivemind starts matchmaking for the next round ahead of it, and cancels
+    # that round when the peer turns out to be alone at its update: a node alone schedules and cancels one per update.
+    # A cancel that lands while matchmaking is asking a newly arrived peer to lead kills the averager's declaring task
+    # ("Task was destroyed but it is pending", "aclose(): asynchronous generator is already running"), and that
+    # averager finds no group in any later round. Scheduled only when the tracker sees other peers, a round is
+    # cancelled only if they leave in between.
+    def _maybe_schedule_gradient_averaging(self) -> None:
+        if self.tracker.global_progress.num_peers > 1:
+            super()._maybe_schedule_gradient_averaging()
+
+    def _maybe_schedule_state_averaging(self) -> None:
+        if self.tracker.global_progress.num_peers > 1:
+            super()._maybe_schedule_state_averaging()
+
     def _update_global_epoch(self, grad_scaler) -> None:
         if self.tracker.global_epoch > self.local_epoch:
             # Behind the swarm. hivemind would let this peer update anyway, joining whatever gradient round the
