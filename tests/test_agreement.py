@@ -36,7 +36,8 @@ class Peer:
         self.opt.state_averager.state_sharing_priority = epoch + bonus
         self.opt.tracker.report_local_progress(epoch, 0)
         self.stop = threading.Event()
-        self.agreement = Agreement(self.swarm.dht, self.opt, self.model, self.config, self.stop, seed_digest)
+        self.agreement = Agreement(self.swarm.dht, self.opt, self.model, self.config, self.stop, seed_digest,
+                                   self.swarm.owner)
 
     def snapshot(self):
         return make_snapshot(self.model, self.opt.local_epoch)

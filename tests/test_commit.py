@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import time
+from functools import partial
 
 import hivemind
 import pytest
@@ -19,6 +20,7 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.optim.grad_averager import GradientAverager
 
 from dtrain.node.swarm.commit import AbortedRound, CommittingGradientAverager
+from dtrain.node.swarm.records import RecordOwner, identity_kwargs
 from tests.nodeproc import new_run_id
 
 pytestmark = pytest.mark.swarm
@@ -31,20 +33,28 @@ FROZEN_S = 4.5  # longer than next_chunk_timeout: the others give up on the froz
 STEP_TIMEOUT_S = 25.0
 
 
+def signed_dht(owner: RecordOwner, initial_peers=()) -> hivemind.DHT:
+    """A DHT whose peer id is `owner`'s and which signs `owner`'s records, as a node's is (node.swarm.records)."""
+    with identity_kwargs(owner) as identity:
+        return hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(initial_peers),
+                            record_validators=[owner.validator], start=True, **identity)
+
+
 @contextlib.contextmanager
 def averagers(factory):
-    """MEMBERS averagers in one swarm; member i holds the gradient i + 1 everywhere."""
+    """MEMBERS averagers in one swarm; member i holds the gradient i + 1 everywhere. `factory(owner)` is the
+    averager class of the member whose records `owner` signs."""
     dhts, members = [], []
     try:
-        dhts.append(hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True))
-        for _ in range(MEMBERS - 1):
-            dhts.append(hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                     initial_peers=dhts[0].get_visible_maddrs(), start=True))
+        owners = [RecordOwner.generate() for _ in range(MEMBERS)]
+        dhts.append(signed_dht(owners[0]))
+        for owner in owners[1:]:
+            dhts.append(signed_dht(owner, initial_peers=dhts[0].get_visible_maddrs()))
         prefix = new_run_id()
-        for i, dht in enumerate(dhts):
+        for i, (dht, owner) in enumerate(zip(dhts, owners)):
             param = torch.nn.Parameter(torch.zeros(ELEMENTS))
             param.grad = torch.full((ELEMENTS,), float(i + 1))
-            members.append((param, factory([param], dht=dht, prefix=prefix, start=True, **OPTS)))
+            members.append((param, factory(owner)([param], dht=dht, prefix=prefix, start=True, **OPTS)))
         yield members
     finally:
         for _, averager in members:
@@ -91,7 +101,7 @@ def applied(result) -> bool:
 
 @pytest.fixture(scope="module")
 def committing():
-    with averagers(CommittingGradientAverager) as members:
+    with averagers(lambda owner: partial(CommittingGradientAverager, record_subkey=owner.subkey)) as members:
         yield members
 
 
@@ -111,7 +121,7 @@ def test_a_member_frozen_mid_round_aborts_the_round_on_every_member(committing):
 @pytest.mark.xfail(strict=True, reason="hivemind's own averager hands members partial averages: what node.commit "
                                        "prevents")
 def test_without_the_commit_step_members_apply_partial_averages():
-    with averagers(GradientAverager) as members:
+    with averagers(lambda owner: GradientAverager) as members:
         assert_all_or_nothing(run_round(members, freeze_after_s=0.05))
 
 

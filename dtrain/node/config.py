@@ -97,6 +97,10 @@ class SwarmConfig:
     identity_path: Optional[str] = option(None, "--identity-path",
                                           "libp2p private key file for a stable peer id (created if missing)")
     run_id: str = option("dtrain", "--run-id", "swarm name; peers with the same run id train together")
+    # a closed swarm (docs/peers.md): only peers holding the same key join its DHT and its averaging
+    swarm_key_path: Optional[str] = option(None, "--swarm-key", "file of at least 32 secret bytes shared by the "
+                                           "swarm's peers (`head -c 32 /dev/urandom > swarm.key`); only peers "
+                                           "holding it can join (default: an open swarm)")
     # an update begins once the swarm gathered this many samples (or they stopped growing for settle_s)
     target_batch_size: int = option(1, "--target-batch-size",
                                     "samples that start an update at once (1: any pending sample)")

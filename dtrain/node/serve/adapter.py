@@ -151,7 +151,7 @@ class AdapterTrainer:
         self.optimizer = AdapterOptimizer(
             settle_s=swarm.settle_s,
             dht=node.swarm.dht,
-            run_id=adapter_run_id(swarm.run_id, name),
+            run_id=adapter_run_id(node.swarm.run_id, name),  # the run's DHT name: keyed in a closed swarm
             target_batch_size=config.feedback_lora_target,
             params=self.expert.parameters(),  # A then B, the same order on every node
             optimizer=partial(torch.optim.AdamW, lr=config.feedback_lora_lr, weight_decay=0.0),
@@ -162,7 +162,8 @@ class AdapterTrainer:
             average_state_every=1,  # parameters and moments averaged after every update: the peers hold one adapter
             average_opt_statistics=("exp_avg", "exp_avg_sq"),
             averager_opts=dict(request_timeout=swarm.request_timeout_s),
-            tracker_opts=dict(min_refresh_period=0.2, max_refresh_period=1.0, default_refresh_period=0.5),
+            tracker_opts=dict(min_refresh_period=0.2, max_refresh_period=1.0, default_refresh_period=0.5,
+                              private_key=node.swarm.owner.private_key),  # the DHT's record key
         )
         self._publish()
         self._stop = threading.Event()

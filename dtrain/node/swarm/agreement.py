@@ -104,9 +104,10 @@ class Agreement:
     """One peer's side of the agreement; every method runs on the training thread."""
 
     def __init__(self, dht: hivemind.DHT, optimizer: SwarmOptimizer, model: torch.nn.Module, config: SwarmConfig,
-                 stop: threading.Event, seed_digest: str):
+                 stop: threading.Event, seed_digest: str, owner: dht_records.RecordOwner):
         self.dht, self.optimizer, self.model, self._stop = dht, optimizer, model, stop
-        self.run_id, self.peer_id = config.run_id, str(dht.peer_id)
+        # the run's name in the DHT (keyed in a closed swarm, node.swarm.swarmkey); records are signed by `owner`
+        self.run_id, self.owner, self.peer_id = optimizer.run_id, owner, owner.peer_id
         self.client = bool(optimizer.client_mode)  # records say so; such a peer sets no state-sharing priority
         # a peer whose gradient round failed matchmakes and waits out a state-averaging round too:
         # it may finish two averaging timeouts after the others
@@ -134,7 +135,7 @@ class Agreement:
         self._records[epoch] = record
         for old in sorted(self._records)[:-KEEP_EPOCHS]:
             del self._records[old]
-        dht_records.store(self.dht, self._key(epoch), self.peer_id, record.as_dict())
+        dht_records.store(self.dht, self._key(epoch), self.owner, record.as_dict())
 
     def vouch(self, snap: Snapshot) -> None:
         """Publish state this peer loaded and checked, or restored: a served record of its epoch, never a
@@ -145,7 +146,7 @@ class Agreement:
     def keep_alive(self) -> None:
         """Refresh this peer's latest records (records expire after dht_records.RECORD_TTL_S)."""
         for epoch, record in self._records.items():
-            dht_records.store(self.dht, self._key(epoch), self.peer_id, record.as_dict())
+            dht_records.store(self.dht, self._key(epoch), self.owner, record.as_dict())
 
     # ---- downloads -----------------------------------------------------------------------------------------
 

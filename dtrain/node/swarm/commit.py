@@ -31,6 +31,8 @@ from hivemind.optim.grad_averager import GradientAverager
 from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
+from dtrain.node.swarm.records import by_peer
+
 logger = get_logger(__name__)
 
 MAX_COMMIT_WAIT_S = 5.0  # the window between the last moment to say "complete" and the decision
@@ -71,7 +73,15 @@ def record_key(prefix: str, group_id: bytes) -> str:
 class CommittingGradientAverager(GradientAverager):
     """hivemind's GradientAverager with the commit step: its round returns the gathered data when every member's
     all-reduce was complete, else an `AbortedRound` (never an exception, so hivemind does not retry a round with
-    tensors a failed attempt has half averaged)."""
+    tensors a failed attempt has half averaged).
+
+    `record_subkey` is this peer's signed subkey (`RecordOwner.subkey`, node.swarm.records): the DHT signs its
+    outcome with the peer's identity, so no member can say complete (or incomplete) for another.
+    """
+
+    def __init__(self, *args, record_subkey: bytes, **kwargs):
+        self.record_subkey = record_subkey
+        super().__init__(*args, **kwargs)
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
         began = get_dht_time()
@@ -96,7 +106,7 @@ class CommittingGradientAverager(GradientAverager):
 
     async def _say(self, key: str, complete: bool) -> None:
         try:
-            await self.dht.store(key, subkey=self.peer_id.to_base58(), value=complete,
+            await self.dht.store(key, subkey=self.record_subkey, value=complete,
                                  expiration_time=get_dht_time() + RECORD_TTL_S, return_future=True)
         except Exception as e:  # the others then decide without this record: they abort
             logger.warning(f"Could not publish the outcome of a gradient round: {e!r}")
@@ -106,7 +116,7 @@ class CommittingGradientAverager(GradientAverager):
         members = {peer.to_base58() for peer in group_info.peer_ids}
         while True:
             found = await self.dht.get(key, latest=True, return_future=True)
-            said = {subkey: item.value for subkey, item in found.value.items()} if found and isinstance(
+            said = by_peer({subkey: item.value for subkey, item in found.value.items()}) if found and isinstance(
                 found.value, dict) else {}
             failed = sorted(peer for peer in members if said.get(peer) is False)
             if failed:

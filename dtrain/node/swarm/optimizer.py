@@ -15,6 +15,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Optional, Sequence
 
 import hivemind
@@ -26,6 +27,9 @@ from hivemind.utils.logging import get_logger
 
 from dtrain.node.lowcomm import codec as lowcomm_codec
 from dtrain.node.swarm.commit import AbortedRound, CommittingGradientAverager
+from dtrain.node.swarm.presence import presence_validator
+from dtrain.node.swarm.records import RecordOwner, identity_kwargs
+from dtrain.node.swarm.swarmkey import SwarmKeyAuthorizer, keyed_run_id, load_swarm_key
 from dtrain.node.swarm.reachability import Reachability, ReachabilityService, decide
 from dtrain.node.config import SwarmConfig, TrainConfig
 
@@ -299,25 +303,36 @@ class Swarm:
                  local_gradients: Callable[[], Sequence[torch.Tensor]], verbose: bool = False,
                  low_comm: bool = False):
         self.config = config
+        # a closed swarm: the key is read (or refused) before anything starts; the run's DHT keys are then named
+        # with it, and every DHT request and response carries its HMAC (node.swarm.swarmkey)
+        swarm_key = load_swarm_key(config.swarm_key_path) if config.swarm_key_path else None
+        self.run_id = keyed_run_id(swarm_key, config.run_id) if swarm_key else config.run_id
+        self.closed = swarm_key is not None
         identity_path = config.identity_path
         if identity_path and not os.path.exists(identity_path):
             P2P.generate_identity(identity_path)  # a stable peer id across restarts
             logger.info(f"Generated a new libp2p identity in {identity_path}")
+        # the node's records are signed with its libp2p identity, so a record's subkey names its peer
+        # (node.swarm.records); without --identity-path a fresh one is made for this run
+        self.owner = RecordOwner.from_identity(identity_path) if identity_path else RecordOwner.generate()
         # asked before the DHT starts: hivemind's client mode is chosen when a peer is created
         self.reachability: Reachability = decide(config.reachability, config.relay, config.initial_peers,
                                                  config.host_maddrs, config.announce_maddrs)
         logger.info(self.reachability.describe())
         client = self.reachability.mode == "client"
-        self.dht = hivemind.DHT(
-            initial_peers=list(config.initial_peers),
-            host_maddrs=list(config.host_maddrs),
-            announce_maddrs=list(config.announce_maddrs) or None,
-            identity_path=identity_path,
-            client_mode=client,
-            use_relay=config.relay,
-            use_auto_relay=config.relay and client,
-            start=True,
-        )
+        with identity_kwargs(self.owner, identity_path) as identity:
+            self.dht = hivemind.DHT(
+                initial_peers=list(config.initial_peers),
+                host_maddrs=list(config.host_maddrs),
+                announce_maddrs=list(config.announce_maddrs) or None,
+                client_mode=client,
+                use_relay=config.relay,
+                use_auto_relay=config.relay and client,
+                record_validators=[self.owner.validator, presence_validator(self.run_id)],
+                authorizer=SwarmKeyAuthorizer(swarm_key) if swarm_key else None,
+                start=True,
+                **identity,
+            )
         self.optimizer: Optional[SwarmOptimizer] = None
         self.service: Optional[ReachabilityService] = None
         self._shut_down = threading.Event()
@@ -325,6 +340,8 @@ class Swarm:
             if not client:  # a client-mode peer cannot be asked: nobody dials it
                 self.service = ReachabilityService(self.dht)
             self.peer_id = str(self.dht.peer_id)
+            if self.peer_id != self.owner.peer_id:  # records would name another peer than the one that wrote them
+                raise RuntimeError(f"p2pd runs as {self.peer_id}, not as the record key's peer {self.owner.peer_id}")
             self.maddrs = [str(addr) for addr in self.dht.get_visible_maddrs()]
             # Every node applies the same averaged update: gradients are all-reduced, then parameters and Adam
             # moments (delay_state_averaging=False keeps state averaging inside the update). In low-communication
@@ -338,7 +355,7 @@ class Swarm:
                 update_bonus=peer_bonus(self.peer_id),
                 settle_s=config.settle_s,
                 dht=self.dht,
-                run_id=config.run_id,
+                run_id=self.run_id,
                 target_batch_size=config.target_batch_size,
                 optimizer=local_optimizer,
                 matchmaking_time=config.matchmaking_time_s,
@@ -347,12 +364,15 @@ class Swarm:
                 delay_state_averaging=False,
                 client_mode=client,  # hivemind 1.1.12 takes the DHT's mode when this is given at all
                 reuse_grad_buffers=True,  # the node writes the exact samples-weighted gradient into .grad itself
-                grad_averager_factory=CommittingGradientAverager,  # a gradient round is applied whole or not at all
+                # a gradient round is applied whole or not at all; members' outcomes are signed records
+                grad_averager_factory=partial(CommittingGradientAverager, record_subkey=self.owner.subkey),
                 average_state_every=1,
                 **low,
                 averager_opts=dict(request_timeout=config.request_timeout_s),
+                # the tracker signs its progress records with the DHT's one record key (hivemind keeps the first
+                # RSASignatureValidator a DHT is given and ignores later ones)
                 tracker_opts=dict(min_refresh_period=0.2, max_refresh_period=TRACKER_MAX_REFRESH_S,
-                                  default_refresh_period=0.5),
+                                  default_refresh_period=0.5, private_key=self.owner.private_key),
                 verbose=verbose,
             )
         except BaseException:

@@ -4,15 +4,32 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Dict, Mapping
 
 import hivemind
+import pydantic.v1 as pydantic
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.utils import get_dht_time
 
 from dtrain.node.swarm import records as dht_records
 
 ANNOUNCE_EVERY_S = 3.0  # how often a node refreshes its record
 TRAINING_RECENTLY_S = 30.0  # a node that reported samples this recently announces itself as training
+
+
+class PresenceSchema(pydantic.BaseModel):
+    """The announcements' DHT entry: every subkey must name its signer (node.swarm.records), every value a dict."""
+
+    nodes: Dict[BytesWithPublicKey, Dict[pydantic.StrictStr, Any]]
+
+
+def presence_key(run_id: str) -> str:
+    return f"dtrain_{run_id}_nodes"
+
+
+def presence_validator(run_id: str) -> SchemaValidator:
+    """Refuses an announcement under an unsigned subkey, or one that is not a dict, on every peer's DHT."""
+    return SchemaValidator(PresenceSchema, prefix=f"dtrain_{run_id}")
 
 
 @dataclass(frozen=True)
@@ -37,8 +54,9 @@ class PeerInfo:
 class Presence:
     """This node's announcement and its view of the others (training thread only)."""
 
-    def __init__(self, dht: hivemind.DHT, run_id: str, peer_id: str, maddrs, bridge_port: int):
-        self._dht, self._key, self.peer_id = dht, f"dtrain_{run_id}_nodes", peer_id
+    def __init__(self, dht: hivemind.DHT, run_id: str, owner: dht_records.RecordOwner, maddrs, bridge_port: int):
+        self._dht, self._key, self._owner = dht, presence_key(run_id), owner
+        self.peer_id = owner.peer_id
         self._maddrs, self._bridge_port = tuple(maddrs)[:4], bridge_port
         self._last_announce = -ANNOUNCE_EVERY_S
         self._last_samples_at = -TRAINING_RECENTLY_S  # when this node last reported samples to the swarm
@@ -56,7 +74,7 @@ class Presence:
         training = time.monotonic() - self._last_samples_at < TRAINING_RECENTLY_S
         record = dict(step=step, bridge_port=self._bridge_port, maddrs=list(self._maddrs), training=training,
                       pending_samples=pending_samples, time=get_dht_time())
-        dht_records.store(self._dht, self._key, self.peer_id, record)
+        dht_records.store(self._dht, self._key, self._owner, record)
         self.nodes = {peer: PeerInfo.from_record(peer, r) for peer, r in dht_records.read(self._dht, self._key).items()}
         return self.nodes
 

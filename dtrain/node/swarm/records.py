@@ -1,19 +1,120 @@
-"""Per-peer records in the swarm's DHT: one dictionary entry per key, one subkey per peer, each with a lifetime."""
+"""Per-peer records in the swarm's DHT: one dictionary entry per key, one signed subkey per peer, each with a lifetime.
+
+A peer stores its records under the subkey `[owner:<its RSA public key>]`, and hivemind's `RSASignatureValidator`
+on every peer's DHT refuses a value under such a subkey unless the owner's private key signed it: no peer can write
+another's record. The key is the peer's libp2p identity, so the subkey also names the peer: its peer id is the hash
+of that public key (`peer_of`). Readers keep only signed subkeys and see them by peer id.
+"""
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Optional
+
 import hivemind
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import PeerID
+from hivemind.proto import crypto_pb2
 from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.logging import get_logger
+from multihash import coerce_code, encode as multihash_encode
+
+from dtrain.node.config import ConfigError
 
 logger = get_logger(__name__)
 
 RECORD_TTL_S = 20.0  # a record expires unless its peer refreshes it
 TIMEOUT_S = 5.0  # bound on one DHT store or lookup
 
+_OWNER_RE = re.compile(re.escape(RSASignatureValidator.PUBLIC_KEY_FORMAT).replace(b"_key_", rb"(.+?)"))
 
-def store(dht: hivemind.DHT, key: str, subkey: str, value: dict, timeout_s: float = TIMEOUT_S) -> bool:
-    """Store one peer's record under `key` for RECORD_TTL_S; False (logged) when it fails."""
-    future = dht.store(key, value, get_dht_time() + RECORD_TTL_S, subkey=subkey, return_future=True)
+
+class IdentityError(ConfigError):
+    """The libp2p identity file cannot sign records (unreadable, or not an RSA key)."""
+
+
+class RecordOwner:
+    """A peer's record signer: its libp2p identity key, the validator that signs with it, the subkey it writes."""
+
+    def __init__(self, private_key: RSAPrivateKey):
+        self.private_key = private_key
+        self.validator = RSASignatureValidator(private_key)
+        self.subkey: bytes = self.validator.local_public_key
+        self.peer_id: str = peer_of(self.subkey)
+
+    @classmethod
+    def generate(cls) -> "RecordOwner":
+        return cls(RSAPrivateKey())
+
+    @classmethod
+    def from_identity(cls, path: str | os.PathLike) -> "RecordOwner":
+        """The key of a libp2p identity file (hivemind's `P2P.generate_identity` writes them)."""
+        try:
+            proto = crypto_pb2.PrivateKey.FromString(Path(path).read_bytes())
+        except OSError as e:
+            raise IdentityError(f"--identity-path {path}: cannot read it ({e.strerror})") from None
+        except Exception:
+            raise IdentityError(f"--identity-path {path}: not a libp2p private key file") from None
+        if proto.key_type != crypto_pb2.KeyType.RSA:
+            raise IdentityError(f"--identity-path {path}: a {crypto_pb2.KeyType.Name(proto.key_type)} key; peers sign "
+                                f"their records with their identity, which must be RSA (delete the file and a new "
+                                f"one is generated)")
+        key = RSAPrivateKey.__new__(RSAPrivateKey)
+        key.__setstate__({"_private_key": proto.data})  # hivemind's own unpickling path: DER bytes to a key
+        return cls(key)
+
+    def write_identity(self, path: str | os.PathLike) -> None:
+        """This key as a libp2p identity file that p2pd reads (readable by its owner only)."""
+        proto = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=self.private_key.to_bytes())
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+        with os.fdopen(fd, "wb") as f:
+            f.write(proto.SerializeToString())
+
+
+def peer_of(subkey: Any) -> Optional[str]:
+    """The peer id whose identity key a signed subkey names; None for any other subkey.
+
+    libp2p's peer id of an RSA key: the sha2-256 multihash of its protobuf-wrapped DER public key.
+    """
+    if not isinstance(subkey, bytes):
+        return None
+    match = _OWNER_RE.fullmatch(subkey)
+    if match is None:
+        return None
+    try:  # the OpenSSH form hivemind's RSAPublicKey.to_bytes writes
+        public_key = serialization.load_ssh_public_key(match.group(1))
+    except Exception:
+        return None
+    if not isinstance(public_key, rsa.RSAPublicKey):
+        return None
+    der = public_key.public_bytes(encoding=serialization.Encoding.DER,
+                                  format=serialization.PublicFormat.SubjectPublicKeyInfo)
+    wrapped = crypto_pb2.PublicKey(key_type=crypto_pb2.KeyType.RSA, data=der).SerializeToString()
+    digest = multihash_encode(hashlib.sha256(wrapped).digest(), coerce_code("sha2-256"))
+    return PeerID(digest).to_base58()
+
+
+def by_peer(entries: Mapping[Any, Any]) -> dict[str, Any]:
+    """peer id -> value of a DHT dictionary's signed subkeys (the DHT's validator checked their signatures)."""
+    found = {}
+    for subkey, value in entries.items():
+        peer = peer_of(subkey)
+        if peer is not None:
+            found[peer] = value
+    return found
+
+
+def store(dht: hivemind.DHT, key: str, owner: RecordOwner, value: dict, timeout_s: float = TIMEOUT_S) -> bool:
+    """Store this peer's record under `key` for RECORD_TTL_S; False (logged) when it fails."""
+    future = dht.store(key, value, get_dht_time() + RECORD_TTL_S, subkey=owner.subkey, return_future=True)
     try:
         return bool(future.result(timeout_s))
     except Exception as e:
@@ -22,7 +123,7 @@ def store(dht: hivemind.DHT, key: str, subkey: str, value: dict, timeout_s: floa
 
 
 def read(dht: hivemind.DHT, key: str, timeout_s: float = TIMEOUT_S) -> dict[str, dict]:
-    """subkey -> dict value of a DHT dictionary entry; {} when it is missing or the lookup fails (logged)."""
+    """peer id -> dict record under `key`; {} when it is missing or the lookup fails (logged)."""
     future = dht.get(key, latest=True, return_future=True)
     try:
         found = future.result(timeout_s)
@@ -31,4 +132,23 @@ def read(dht: hivemind.DHT, key: str, timeout_s: float = TIMEOUT_S) -> dict[str,
         return {}
     if found is None or not isinstance(found.value, dict):
         return {}
-    return {str(k): v.value for k, v in found.value.items() if isinstance(v.value, dict)}
+    records = by_peer({k: v.value for k, v in found.value.items()})
+    return {peer: value for peer, value in records.items() if isinstance(value, dict)}
+
+
+@contextlib.contextmanager
+def identity_kwargs(owner: RecordOwner, identity_path: Optional[str] = None) -> Iterator[dict]:
+    """hivemind.DHT keyword arguments that start p2pd with `owner`'s key as its libp2p identity, so that the peer
+    id is the one its records' subkey names. Without `identity_path` (a file that holds that key already) the key
+    is written to a private temporary file for p2pd to read at its start, and removed when the block ends."""
+    if identity_path is not None:
+        yield dict(identity_path=str(identity_path))
+        return
+    folder = tempfile.mkdtemp(prefix="dtrain-identity-")  # mode 0700
+    try:
+        path = os.path.join(folder, "identity.key")
+        owner.write_identity(path)
+        # a fresh random identity cannot be taken already: skip hivemind's check, which starts a second p2pd
+        yield dict(identity_path=path, check_if_identity_free=False)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

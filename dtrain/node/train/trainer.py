@@ -268,9 +268,10 @@ class TrainingNode:
         if restored is not None:
             opt.state_averager.local_epoch = restored.epoch
             opt.tracker.report_local_progress(restored.epoch, 0)
-        self.presence = Presence(swarm.dht, cfg.swarm.run_id, swarm.peer_id, swarm.maddrs, cfg.port)
+        self.presence = Presence(swarm.dht, swarm.run_id, swarm.owner, swarm.maddrs, cfg.port)
         opt.tracker.others_present = lambda: not self.presence.alone()
-        self.agreement = Agreement(swarm.dht, opt, self.model, self.swarm_config, self._stop, seed_digest)
+        self.agreement = Agreement(swarm.dht, opt, self.model, self.swarm_config, self._stop, seed_digest,
+                                   swarm.owner)
         self._rng = np.random.default_rng(int.from_bytes(swarm.peer_id.encode()[-8:], "little"))
 
         checked = restored is not None  # bytes this node may vouch for: a checkpoint, or a checked download
