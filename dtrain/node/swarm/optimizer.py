@@ -10,6 +10,7 @@ with.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
@@ -29,7 +30,7 @@ from dtrain.node.lowcomm import codec as lowcomm_codec
 from dtrain.node.swarm.commit import AbortedRound, CommittingGradientAverager
 from dtrain.node.swarm.presence import presence_validator
 from dtrain.node.swarm.records import RecordOwner, identity_kwargs
-from dtrain.node.swarm.swarmkey import SwarmKeyAuthorizer, keyed_run_id, load_swarm_key
+from dtrain.node.swarm.swarmkey import SwarmJoinError, SwarmKeyAuthorizer, keyed_run_id, load_swarm_key
 from dtrain.node.swarm.reachability import Reachability, ReachabilityService, decide
 from dtrain.node.config import SwarmConfig, TrainConfig
 
@@ -296,6 +297,18 @@ def update_bonus(bonus: float, clean: bool) -> float:
     return (0.7 if clean else 0.4) + 0.29 * bonus
 
 
+@contextlib.contextmanager
+def _closed_join(closed: bool):
+    """In a closed swarm, hivemind's "bootstrap failed" also means that the initial peers hold another key: say so."""
+    try:
+        yield
+    except RuntimeError as e:
+        if closed and "bootstrap failed" in str(e):
+            raise SwarmJoinError(f"{e}: in a closed swarm, none of the initial peers answered with this --swarm-key "
+                                 f"(they are unreachable, or hold another key or none)") from None
+        raise
+
+
 class Swarm:
     """The DHT and the collaborative optimizer of one node, and their bounded shutdown."""
 
@@ -320,7 +333,7 @@ class Swarm:
                                                  config.host_maddrs, config.announce_maddrs)
         logger.info(self.reachability.describe())
         client = self.reachability.mode == "client"
-        with identity_kwargs(self.owner, identity_path) as identity:
+        with identity_kwargs(self.owner, identity_path) as identity, _closed_join(self.closed):
             self.dht = hivemind.DHT(
                 initial_peers=list(config.initial_peers),
                 host_maddrs=list(config.host_maddrs),

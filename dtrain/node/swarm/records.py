@@ -68,7 +68,10 @@ class RecordOwner:
                                 f"their records with their identity, which must be RSA (delete the file and a new "
                                 f"one is generated)")
         key = RSAPrivateKey.__new__(RSAPrivateKey)
-        key.__setstate__({"_private_key": proto.data})  # hivemind's own unpickling path: DER bytes to a key
+        try:
+            key.__setstate__({"_private_key": proto.data})  # hivemind's own unpickling path: DER bytes to a key
+        except ValueError:
+            raise IdentityError(f"--identity-path {path}: not a libp2p private key file") from None
         return cls(key)
 
     def write_identity(self, path: str | os.PathLike) -> None:

@@ -43,6 +43,10 @@ class SwarmKeyError(ConfigError):
     """The --swarm-key file is missing, unreadable or too short; the message says which."""
 
 
+class SwarmJoinError(SwarmKeyError):
+    """A closed swarm's peer found none of its initial peers: they are down, or hold another key (or none)."""
+
+
 def load_swarm_key(path: str | os.PathLike) -> bytes:
     """The key file's bytes, all of them (a key is random bytes, not text)."""
     try:
