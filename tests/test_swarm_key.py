@@ -23,7 +23,8 @@ from dtrain.node.swarm import optimizer as swarm_optimizer
 from dtrain.node.swarm.presence import Presence, presence_key, presence_validator
 from dtrain.node.swarm.records import RecordOwner, identity_kwargs, read, store
 from dtrain.node.swarm.swarmkey import SwarmJoinError, SwarmKeyAuthorizer, keyed_run_id
-from tests.nodeproc import TINY_CONFIG, new_run_id
+from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, print_logs, start_swarm
+from tests.texts import shakespeare
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
 
@@ -190,3 +191,35 @@ def test_keyed_swarms_train_under_a_keyed_run_name_and_announce_signed_records(t
     finally:
         for s in reversed(swarms):
             s.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_nodes_with_the_key_train_in_lockstep_and_a_node_with_another_key_stops(tmp_path):
+    """Two dtrain-node processes with --swarm-key serve the same bytes after every update; a third one with another
+    key exits with status 2 and says why, and one with none fails to join."""
+    from tests.test_swarm import _check_lockstep, _train_args
+
+    key_file, other_file, text = tmp_path / "swarm.key", tmp_path / "other.key", tmp_path / "train.txt"
+    key_file.write_bytes(KEY)
+    other_file.write_bytes(OTHER_KEY)
+    text.write_text(shakespeare(30_000))
+    run_id = new_run_id()
+    nodes = start_swarm(2, _train_args(text, 2, ["--swarm-key", str(key_file)]), run_id)
+    try:
+        maddrs = nodes[0].wait_ready()
+        other = NodeProcess("other-key", ["--model-config", str(TINY_CONFIG), "--swarm-key", str(other_file)],
+                            run_id, initial_peers=maddrs)
+        nodes.append(other)
+        assert other.proc.wait(120) == 2, other.output()[-3000:]
+        assert "none of the initial peers answered with this --swarm-key" in other.output()
+        keyless = NodeProcess("keyless", ["--model-config", str(TINY_CONFIG)], run_id, initial_peers=maddrs)
+        nodes.append(keyless)
+        assert keyless.proc.wait(120) != 0, keyless.output()[-3000:]
+        assert "bootstrap failed" in keyless.output()
+        _check_lockstep(nodes[:2], peers=2, epochs=2)
+    except BaseException:
+        print_logs(nodes)
+        raise
+    finally:
+        for node in nodes:
+            node.kill()
