@@ -181,7 +181,8 @@ def test_an_identity_that_is_not_an_rsa_key_is_a_clear_error(tmp_path):
     path.write_bytes(crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.Ed25519, data=b"x" * 64).SerializeToString())
     with pytest.raises(IdentityError, match="Ed25519 key; peers sign their records with their identity"):
         RecordOwner.from_identity(path)
-    for junk in (b"\xff\x00junk", crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=b"no DER").SerializeToString()):
+    not_der = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=b"no DER").SerializeToString()
+    for junk in (b"\xff\x00junk", not_der):
         (tmp_path / "junk.key").write_bytes(junk)
         with pytest.raises(IdentityError, match="not a libp2p private key"):
             RecordOwner.from_identity(tmp_path / "junk.key")
