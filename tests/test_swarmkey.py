@@ -144,6 +144,8 @@ def test_the_flag_reaches_its_field_and_the_swarm_is_open_without_it(tmp_path):
     assert SwarmConfig().swarm_key_path is None
     config = parse_config(["--swarm-key", str(tmp_path / "swarm.key")])
     assert config.swarm.swarm_key_path == str(tmp_path / "swarm.key")
+    with pytest.raises(ConfigError, match="swarm_key_path is empty"):  # never an open swarm by accident
+        parse_config(["--swarm-key", ""])
 
 
 def test_a_bad_key_stops_the_swarm_before_its_dht_starts(tmp_path):

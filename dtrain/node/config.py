@@ -144,6 +144,10 @@ class SwarmConfig:
             raise ConfigError(f"wire_codec must be fp16 or fp32, got {self.wire_codec!r}")
         if not self.link_mbit >= 0:
             raise ConfigError(f"link_mbit must be >= 0 (0: unknown), got {self.link_mbit!r}")
+        if self.swarm_key_path is not None and not str(self.swarm_key_path).strip():
+            # an empty value (an unset variable in a script, say) must not quietly leave the swarm open
+            raise ConfigError("swarm_key_path is empty: give the key file's path, or leave the option out for an "
+                              "open swarm")
         if self.reachability not in ("auto", "public", "client"):
             raise ConfigError(f"reachability must be auto, public or client, got {self.reachability!r}")
         if self.matchmaking_time_s <= self.request_timeout_s:

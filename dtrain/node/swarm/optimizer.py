@@ -318,7 +318,7 @@ class Swarm:
         self.config = config
         # a closed swarm: the key is read (or refused) before anything starts; the run's DHT keys are then named
         # with it, and every DHT request and response carries its HMAC (node.swarm.swarmkey)
-        swarm_key = load_swarm_key(config.swarm_key_path) if config.swarm_key_path else None
+        swarm_key = load_swarm_key(config.swarm_key_path) if config.swarm_key_path is not None else None
         self.run_id = keyed_run_id(swarm_key, config.run_id) if swarm_key else config.run_id
         self.closed = swarm_key is not None
         identity_path = config.identity_path
