@@ -97,3 +97,25 @@ def test_an_import_that_is_not_a_gpt2_is_refused_before_the_node_starts(tmp_path
     out = subprocess.run([sys.executable, "-m", "dtrain.cli", "--init-from", str(tmp_path / "m")], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--init-from" in out.stderr and "activation_function" in out.stderr, out.stderr
+
+
+@pytest.mark.timeout(180)
+def test_a_joiner_of_another_shape_stops_before_it_joins(tmp_path):
+    _save(tmp_path / "founder", seed=0)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(**{**SHAPE, "n_layer": 1})).save_pretrained(tmp_path / "shallow")
+    run_id = new_run_id()
+    a = NodeProcess("A", ["--init-from", str(tmp_path / "founder")], run_id)
+    try:
+        maddrs = a.wait_ready()
+        b = NodeProcess("B", ["--init-from", str(tmp_path / "shallow")], run_id, initial_peers=maddrs)
+        try:
+            wait_until(lambda: b.proc.poll() is not None, 90, "the joiner of another shape to stop")
+            assert b.proc.returncode == 2, b.output()[-3000:]
+            assert "the swarm trains another model" in b.output() and "'n_layers': (2, 1)" in b.output()
+            assert "Loading the swarm's parameters" not in b.output()  # stopped before it downloaded anything
+        finally:
+            b.kill()
+        assert a.status()["step"] == 1 and a.proc.poll() is None  # the swarm goes on, untouched
+    finally:
+        a.kill()

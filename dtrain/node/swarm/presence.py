@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Mapping, Optional
 
 import hivemind
 import pydantic.v1 as pydantic
@@ -43,19 +43,24 @@ class PeerInfo:
     training: bool  # it reported samples to the swarm in the last TRAINING_RECENTLY_S
     pending_samples: int  # samples it holds that no update applied yet
     time: float  # DHT time of the announcement (seconds since the epoch)
+    model: Optional[dict] = None  # the shape of the model it trains (ModelConfig.architecture()), if it said
 
     @classmethod
     def from_record(cls, peer_id: str, record: Mapping) -> "PeerInfo":
+        model = record.get("model")
         return cls(peer_id=peer_id, step=int(record.get("step", 0)), bridge_port=int(record.get("bridge_port", 0)),
                    maddrs=tuple(str(m) for m in record.get("maddrs", ())), training=bool(record.get("training")),
-                   pending_samples=int(record.get("pending_samples", 0)), time=float(record.get("time", 0.0)))
+                   pending_samples=int(record.get("pending_samples", 0)), time=float(record.get("time", 0.0)),
+                   model=dict(model) if isinstance(model, Mapping) else None)
 
 
 class Presence:
     """This node's announcement and its view of the others (training thread only)."""
 
-    def __init__(self, dht: hivemind.DHT, run_id: str, owner: dht_records.RecordOwner, maddrs, bridge_port: int):
+    def __init__(self, dht: hivemind.DHT, run_id: str, owner: dht_records.RecordOwner, maddrs, bridge_port: int,
+                 model: Optional[Mapping[str, int]] = None):
         self._dht, self._key, self._owner = dht, presence_key(run_id), owner
+        self._model = dict(model) if model is not None else None  # announced, so a joiner can check it first
         self.peer_id = owner.peer_id
         self._maddrs, self._bridge_port = tuple(maddrs)[:4], bridge_port
         self._last_announce = -ANNOUNCE_EVERY_S
@@ -74,9 +79,17 @@ class Presence:
         training = time.monotonic() - self._last_samples_at < TRAINING_RECENTLY_S
         record = dict(step=step, bridge_port=self._bridge_port, maddrs=list(self._maddrs), training=training,
                       pending_samples=pending_samples, time=get_dht_time())
+        if self._model is not None:
+            record["model"] = self._model
         dht_records.store(self._dht, self._key, self._owner, record)
         self.nodes = {peer: PeerInfo.from_record(peer, r) for peer, r in dht_records.read(self._dht, self._key).items()}
         return self.nodes
+
+    def other_models(self) -> dict[str, dict]:
+        """peer id -> the model shape each other node announced, read without announcing this one."""
+        found = dht_records.read(self._dht, self._key)
+        return {peer: info.model for peer, r in found.items() if peer != self.peer_id
+                and (info := PeerInfo.from_record(peer, r)).model is not None}
 
     def alone(self) -> bool:
         """No other node announced itself recently."""

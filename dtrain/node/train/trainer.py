@@ -268,7 +268,8 @@ class TrainingNode:
         if restored is not None:
             opt.state_averager.local_epoch = restored.epoch
             opt.tracker.report_local_progress(restored.epoch, 0)
-        self.presence = Presence(swarm.dht, swarm.run_id, swarm.owner, swarm.maddrs, cfg.port)
+        self.presence = Presence(swarm.dht, swarm.run_id, swarm.owner, swarm.maddrs, cfg.port,
+                                 model=self.model_config.architecture())
         opt.tracker.others_present = lambda: not self.presence.alone()
         self.agreement = Agreement(swarm.dht, opt, self.model, self.swarm_config, self._stop, seed_digest,
                                    swarm.owner)
@@ -277,6 +278,7 @@ class TrainingNode:
         checked = restored is not None  # bytes this node may vouch for: a checkpoint, or a checked download
         founder = not cfg.swarm.initial_peers
         if not founder:
+            self._check_swarm_model()
             swarm.wait_for_progress(timeout_s=10.0)
             behind = self.agreement.saw(opt.tracker.global_epoch) > opt.local_epoch
             if restored is None or behind or not self._swarm_serves_my_bytes():
@@ -296,6 +298,22 @@ class TrainingNode:
             # update can join the swarm's
             self._stop.wait(ANNOUNCE_EVERY_S + 0.5)
         logger.info(f"Node ready at step {snap.step} (epoch {snap.updates})")
+
+    def _check_swarm_model(self) -> None:
+        """A joiner builds the swarm's model or stops here, before it downloads or averages anything: the nodes
+        already in the swarm announce the shape they train."""
+        ours = self.model_config.architecture()
+        models = self.presence.other_models()
+        if not models:  # just bootstrapped: the announcements may take a moment to reach this node
+            self._stop.wait(1.0)
+            models = self.presence.other_models()
+        for peer, theirs in models.items():
+            if theirs != ours:
+                differs = {k: (theirs.get(k), v) for k, v in ours.items() if theirs.get(k) != v}
+                raise ConfigError(
+                    f"the swarm trains another model: node {peer} announces {theirs}, this node builds {ours} "
+                    f"(differing, swarm vs this node: {differs}); start it with the swarm's --model-config, or "
+                    f"--init-from a checkpoint of the same shape")
 
     def _join_download(self, timeout_s: float) -> Download:
         """A joiner serves nothing the swarm disagrees with: it downloads until the bytes agree (bounded)."""
