@@ -39,8 +39,8 @@ def post(node, packet: bytes):
         return e.code, json.loads(e.read())
 
 
-def contributor(node, node_id: str) -> Contributor:
-    c = Contributor(ContributeConfig(node_url=node.url, fmt="f32", topk=0.01, batch_size=2, seq_len=32,
+def contributor(node, node_id: str, batch_size: int = 2, seq_len: int = 32) -> Contributor:
+    c = Contributor(ContributeConfig(node_url=node.url, fmt="f32", topk=0.01, batch_size=batch_size, seq_len=seq_len,
                                      node_id=node_id))
     c.fetch_model()
     return c
