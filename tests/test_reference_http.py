@@ -39,7 +39,10 @@ def post(node, packet: bytes):
         return e.code, json.loads(e.read())
 
 
-def contributor(node, node_id: str, batch_size: int = 2, seq_len: int = 32) -> Contributor:
+def contributor(node, node_id: str, batch_size: int = 8, seq_len: int = 64) -> Contributor:
+    """A contributor whose gradients are on enough text that their direction is the data's: on 2 x 32 tokens an
+    honest gradient's cosine with the node's 4-sequence reference is negative now and then (-0.05 seen), and a
+    sign-flipped one's then positive, which the reference rightly judges by its direction."""
     c = Contributor(ContributeConfig(node_url=node.url, fmt="f32", topk=0.01, batch_size=batch_size, seq_len=seq_len,
                                      node_id=node_id))
     c.fetch_model()

@@ -39,10 +39,7 @@ def test_a_scored_out_contributor_gets_403_while_the_swarm_trains_on_honest_grad
         assert [n.get_json("/api/v1/model/info")["step"] for n in nodes] == [step, step]
 
         for i, node in enumerate(nodes):
-            # honest on enough text that its direction is the data's: a gradient of 2 x 32 tokens against the
-            # reference's 4 sequences has a negative cosine now and then (seen: -0.05), and is then counted 0
-            honest = contributor(node, f"honest-{i}", batch_size=8, seq_len=64)
-            status, answer = post(node, real_packet(honest, step, samples=SAMPLES))
+            status, answer = post(node, real_packet(contributor(node, f"honest-{i}"), step, samples=SAMPLES))
             assert status == 200, answer
         wait_until(lambda: all(n.get_json("/api/v1/model/info")["step"] > step for n in nodes), 120,
                    "both nodes to apply the swarm's update")
