@@ -154,7 +154,7 @@ def write(out: str | Path, config: ModelConfig, params: Mapping[str, torch.Tenso
     renamed into place, so `out` is whole or absent."""
     from transformers import GPT2TokenizerFast
 
-    from dtrain.node.model import build_model
+    from dtrain.node.model import materialize, meta_template
 
     out = Path(out)
     if out.exists() and any(out.iterdir()):
@@ -162,7 +162,7 @@ def write(out: str | Path, config: ModelConfig, params: Mapping[str, torch.Tenso
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model = build_model(config)
+        model = materialize(meta_template(config))  # every parameter is overwritten: no seeded init to throw away
         load_params(model, params)
         model.save_pretrained(tmp, safe_serialization=True)
         vocab = json.loads(tokenizer.vocab.read_text(encoding="utf-8"))
