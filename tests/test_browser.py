@@ -289,7 +289,11 @@ def test_contribute_page_uses_node_batches_and_reports_a_lost_node(page, trainin
     page.click("#start")
     wait_until(lambda: int(page.inner_text("#steps")) >= 1, 120, "a step on the node's batches")
     training_node.kill()
-    wait_until(lambda: "unreachable" in page.inner_text("#message"), 60, "the page to report the lost node")
+    try:
+        wait_until(lambda: "unreachable" in page.inner_text("#message"), 60, "the page to report the lost node")
+    except TimeoutError as e:
+        raise AssertionError(f"{e}; the page says {page.inner_text('#message')!r} after "
+                             f"{page.inner_text('#steps')} steps") from e
     assert page.is_enabled("#start")
 
 

@@ -14,18 +14,32 @@ export class TrainerError extends Error {
   constructor(message, code = null) { super(message); this.code = code; }
 }
 
+const HEADERS_TIMEOUT_MS = 30_000; // a node that accepts a request and never answers it is as lost as a dead one
+
 async function fetchOrThrow(url, init, what) {
-  let r;
+  const abort = new AbortController();
+  const timer = setTimeout(() => abort.abort(new Error(`no answer in ${HEADERS_TIMEOUT_MS / 1000} s`)), HEADERS_TIMEOUT_MS);
   try {
-    r = await fetch(url, init);
+    return await fetch(url, { ...init, signal: abort.signal });
   } catch (e) {
     throw new TrainerError(`the node is unreachable (${what}): ${e.message}`, "unreachable");
+  } finally {
+    clearTimeout(timer);
   }
-  return r;
+}
+
+/** A response's body as `kind` ("arrayBuffer" | "json"); a connection lost mid-body is an unreachable node. */
+async function bodyOrThrow(r, kind, what) {
+  try {
+    return await r[kind]();
+  } catch (e) {
+    if (e instanceof SyntaxError) throw new TrainerError(`${what}: the node's answer is not JSON`);
+    throw new TrainerError(`the node is unreachable (${what}): ${e.message}`, "unreachable");
+  }
 }
 
 async function jsonOrThrow(r, what) {
-  if (r.ok) return r.json();
+  if (r.ok) return bodyOrThrow(r, "json", what);
   let message = `HTTP ${r.status}`;
   try { message = (await r.json()).message ?? message; } catch { /* not JSON */ }
   throw new TrainerError(`${what}: ${message}`, r.status);
@@ -156,7 +170,7 @@ export class BrowserTrainer {
         const r = await fetchOrThrow(this.url(`/api/v1/model/tensor/${t.id}?format=f16`), {}, `tensor ${t.id}`);
         if (!r.ok) await jsonOrThrow(r, `tensor ${t.id}`);
         if (Number(r.headers.get("X-Model-Step")) !== step) return null;
-        buf = await r.arrayBuffer();
+        buf = await bodyOrThrow(r, "arrayBuffer", `tensor ${t.id}`);
         this.stats.downloadedBytes += buf.byteLength;
         await cachePut(key, buf);
       }
@@ -186,7 +200,7 @@ export class BrowserTrainer {
     const r = await fetchOrThrow(this.url(`/api/v1/data/batch?batch_size=${B}&seq_len=${T}`), {}, "data batch");
     if (r.status === 404) throw new TrainerError("this node hands out no training data", "no_data");
     if (!r.ok) await jsonOrThrow(r, "data batch");
-    const ids = new Int32Array(new Uint32Array(await r.arrayBuffer()));
+    const ids = new Int32Array(new Uint32Array(await bodyOrThrow(r, "arrayBuffer", "data batch")));
     return { ids, batch: Number(r.headers.get("X-Batch-Size")), seqLen: Number(r.headers.get("X-Seq-Len")) };
   }
 
@@ -212,7 +226,8 @@ export class BrowserTrainer {
     const r = await fetchOrThrow(this.url("/api/v1/train/submit"), {
       method: "POST", body: packet, headers: { "Content-Type": "application/octet-stream" },
     }, "submit");
-    const body = await r.json().catch(() => ({ message: `HTTP ${r.status}` }));
+    const body = r.ok ? await bodyOrThrow(r, "json", "submit")
+      : await r.json().catch(() => ({ message: `HTTP ${r.status}` }));
     if (r.status === 409) {
       // the packet was too old for the node: nothing was applied; fetch the latest model and go on
       this.stats.refetches++;
