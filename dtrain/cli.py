@@ -17,6 +17,7 @@ from hivemind.utils.logging import get_logger, use_hivemind_log_handler
 
 from dtrain.bridge.app import create_app
 from dtrain.flags import parse_config
+from dtrain.node.children import die_with_this_process
 from dtrain.node.config import ConfigError, ModelConfig, NodeConfig, TrainConfig
 
 if TYPE_CHECKING:
@@ -152,6 +153,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     use_hivemind_log_handler("in_root_logger")
     # `kill -USR1 <pid>` writes every thread's stack to stderr and the node goes on: how a node that hangs is read
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    faulthandler.enable(all_threads=True)  # a crash (SIGSEGV, SIGABRT) leaves every thread's stack in the log
+    die_with_this_process()  # hivemind's DHT and averager processes (forked next) never outlive the node
     logging.getLogger().setLevel(config.log_level.upper())
     try:
         run(config)
