@@ -105,6 +105,29 @@ def make_local_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.op
     return optimizer
 
 
+def keep_state_shared(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Keep every CPU tensor of `optimizer`'s state in shared memory: now, after each step and after each load.
+
+    hivemind hands a peer that downloads this node's state the optimizer's state tensors through a multiprocessing
+    pipe, after it let go of its lock. Pickling a tensor that is not yet in shared memory moves its storage there and
+    frees the old memory, while the training thread may be reading or writing it (the next optimizer step, the
+    non-finite check): a read of freed memory, which for large tensors is unmapped and crashes the node (SIGSEGV in
+    libtorch), and for small ones (AdamW's `step`) silently corrupts them. Tensors already in shared memory are
+    pickled as they are: nothing moves.
+    """
+
+    def share(*_) -> None:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if torch.is_tensor(value) and value.device.type == "cpu" and not value.is_shared():
+                    value.share_memory_()
+
+    share()
+    optimizer.register_step_post_hook(share)
+    optimizer.register_load_state_dict_post_hook(share)
+    return optimizer
+
+
 class PacedTracker(ProgressTracker):
     """hivemind's tracker with the swarm's own rule for when an update begins (docs/architecture.md, "When the swarm updates").
 
@@ -363,6 +386,7 @@ class Swarm:
             # momentum is each node's own, built from the same averaged pseudo-gradients.
             low = dict(grad_compression=lowcomm_codec.compression(config.wire_codec),
                        average_opt_statistics=()) if low_comm else dict(average_opt_statistics=("exp_avg", "exp_avg_sq"))
+            keep_state_shared(local_optimizer)  # before hivemind can hand its state to a downloading peer
             self.optimizer = SwarmOptimizer(
                 local_gradients=local_gradients,
                 update_bonus=peer_bonus(self.peer_id),

@@ -1,0 +1,53 @@
+"""The optimizer's state stays in shared memory (node.swarm.optimizer.keep_state_shared), so handing it to a
+downloading peer never moves a tensor the training thread is using: after the start, every step and every load,
+pickling the state for a pipe (as hivemind does) leaves every tensor's memory where it was."""
+from __future__ import annotations
+
+import io
+from multiprocessing.reduction import ForkingPickler
+
+import pytest
+import torch
+
+from dtrain.node.lowcomm.outer import OuterNesterov
+from dtrain.node.swarm.optimizer import keep_state_shared
+
+pytestmark = pytest.mark.unit
+
+
+def _state_tensors(opt):
+    return [v for state in opt.state.values() for v in state.values() if torch.is_tensor(v)]
+
+
+def _pickle_moves_nothing(opt) -> None:
+    tensors = _state_tensors(opt)
+    assert tensors and all(t.is_shared() for t in tensors)
+    before = [t.data_ptr() for t in tensors]
+    ForkingPickler(io.BytesIO()).dump(tensors)  # what hivemind's pipe does with the state it sends
+    assert [t.data_ptr() for t in tensors] == before
+
+
+@pytest.mark.parametrize("make", [
+    lambda params: torch.optim.AdamW(params, lr=1e-3),  # state made lazily, at the first step
+    lambda params: OuterNesterov(params),  # state made up front
+])
+def test_state_is_shared_after_start_steps_and_loads(make):
+    params = [torch.nn.Parameter(torch.randn(300, 300)), torch.nn.Parameter(torch.randn(7))]
+    opt = keep_state_shared(make(params))
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    _pickle_moves_nothing(opt)
+    saved = opt.state_dict()
+    opt.load_state_dict({**saved, "state": {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()}
+                                            for k, s in saved["state"].items()}})
+    _pickle_moves_nothing(opt)
+
+
+def test_without_it_pickling_moves_the_state():
+    param = torch.nn.Parameter(torch.randn(300, 300))
+    opt = OuterNesterov([param])
+    buffer = opt.state[param]["momentum_buffer"]
+    before = buffer.data_ptr()
+    ForkingPickler(io.BytesIO()).dump([buffer])
+    assert buffer.is_shared() and buffer.data_ptr() != before  # the hazard keep_state_shared prevents
