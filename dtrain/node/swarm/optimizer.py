@@ -233,6 +233,13 @@ class SwarmOptimizer(hivemind.Optimizer):
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
         self._round_group, self._round_clean = (self.peer_id,), False
         self._round_samples = self.grad_averager.local_samples_accumulated  # the round resets it
+        if self.scheduled_grads is None and self.tracker.global_progress.num_peers > 1:
+            # A round that was not pre-scheduled (the first one with company) would get hivemind's default deadline,
+            # none: the wait for its outcome below was then unbounded (inf, which threading refuses), this peer
+            # took the round as failed and updated alone while its averager went on, found a group and averaged
+            # this peer's gradient into the others' update, which the peer, having lost the agreement, then carried
+            # into a later one too. With the swarm's deadline the round is decided within the wait.
+            self.scheduled_grads = self.grad_averager.schedule_step(timeout=self.averaging_timeout)
         began = super()._begin_averaging_gradients(grad_scaler)
         if not began:
             self._no_round_alone("the gradient round could not begin")
