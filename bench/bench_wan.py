@@ -5,7 +5,8 @@ its veth are shaped with tbf to R Mbit/s, so upload and download are each limite
 delay or loss is emulated, only bandwidth. Every node trains on its own shard of the text (no browsers); a held-out
 tail of the text is never trained on.
 
-For each mode and rate it prints: seconds per update (outer update in low-comm mode), MB each node sent per 1,000
+Modes: per-step sync; low-comm with the dense fp16 all-reduce and parameter averaging; sparse, low-comm with
+top-k payloads gathered (--wire-codec sparse). For each mode and rate it prints: seconds per update (outer update in low-comm mode), MB each node sent per 1,000
 samples the swarm applied, the swarm's applied samples per second, the held-out loss of node A's served model when
 the run ends, the samples applied by then, and the longest time two nodes served one step with different bytes.
 A run ends after --samples applied samples or --seconds, whichever comes first; loss is comparable only between
@@ -73,10 +74,19 @@ def held_out_loss(node: NodeProcess, model_config: Path, held_tokens: np.ndarray
     return float(np.mean(losses))
 
 
+# mode -> its flags: per-step sync, low-comm with the dense fp16 all-reduce, low-comm with sparse payloads
+MODES = {
+    "per-step": ["--sync", "per-step"],
+    "low-comm": ["--sync", "low-comm", "--wire-codec", "fp16"],
+    "sparse": ["--sync", "low-comm", "--wire-codec", "sparse"],
+}
+
+
 def run(mode: str, rate, args, paths: list[Path], held_tokens: np.ndarray) -> dict:
     common = ["--model-config", str(args.model_config), "--local-batch-size", str(args.batch), "--local-seq-len",
-              "64", "--sync", mode, "--inner-steps", str(args.inner_steps), *NODE_TIMEOUTS]
-    if rate is not None and mode == "low-comm":
+              "64", *MODES[mode], "--inner-steps", str(args.inner_steps), "--topk-fraction", str(args.topk_fraction),
+              *NODE_TIMEOUTS]
+    if rate is not None and mode != "per-step":
         common += ["--link-mbit", str(rate)]
     run_id, nodes = new_run_id(), []
     with Net() as net:
@@ -123,7 +133,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--peers", type=int, default=3)
     parser.add_argument("--rates", default="unlimited,50,20,10", help="Mbit/s per link, comma-separated")
-    parser.add_argument("--modes", default="per-step,low-comm")
+    parser.add_argument("--modes", default="per-step,low-comm,sparse", help=f"comma-separated, of {sorted(MODES)}")
+    parser.add_argument("--topk-fraction", type=float, default=0.01, help="the sparse mode's top-k fraction")
     parser.add_argument("--samples", type=int, default=3000, help="applied samples that end a run")
     parser.add_argument("--seconds", type=float, default=240.0, help="longest a run trains")
     parser.add_argument("--batch", type=int, default=8, help="--local-batch-size of every node")
@@ -131,6 +142,8 @@ def main() -> None:
     parser.add_argument("--model-config", type=Path, default=TINY_CONFIG)
     parser.add_argument("--keep-logs", action="store_true")
     args = parser.parse_args()
+    if unknown := set(args.modes.split(",")) - MODES.keys():
+        parser.error(f"unknown modes {sorted(unknown)}; known: {sorted(MODES)}")
     if (why := unavailable_reason()) is not None:
         sys.exit(f"network namespaces unavailable: {why}")
     text = TEXT.read_text()
@@ -145,7 +158,8 @@ def main() -> None:
                 row = run(mode, rate, args, paths, held_tokens)
                 rows.append(row)
                 print(row, flush=True)
-    print(f"\n{args.peers} nodes, {args.model_config.name}, batch {args.batch}, inner steps {args.inner_steps}; "
+    print(f"\n{args.peers} nodes, {args.model_config.name}, batch {args.batch}, inner steps {args.inner_steps}, "
+          f"sparse top-k fraction {args.topk_fraction:g}; "
           f"tbf both directions, no netem (no delay emulated)\n")
     print("| mode | Mbit/s | s/update | MB sent/node/1k samples | swarm samples/s | held-out loss | samples "
           "| longest split (s) |")

@@ -127,8 +127,12 @@ class SwarmConfig:
     inner_steps: int = option(50, "--inner-steps", "low-comm: inner updates of a node between outer rounds")
     outer_lr: float = option(0.7, "--outer-lr", "low-comm: outer Nesterov SGD learning rate")
     outer_momentum: float = option(0.9, "--outer-momentum", "low-comm: outer Nesterov SGD momentum")
-    wire_codec: str = option("fp16", "--wire-codec", "low-comm: the pseudo-gradient on the wire (fp16 or fp32)",
-                             choices=("fp16", "fp32"))
+    wire_codec: str = option("fp16", "--wire-codec", "low-comm: the pseudo-gradient on the wire: fp16 or fp32 "
+                             "(dense all-reduce, then the parameters are averaged), or sparse (top-k with error "
+                             "feedback, gathered: every node computes the same average)",
+                             choices=("fp16", "fp32", "sparse"))
+    topk_fraction: float = option(0.01, "--topk-fraction", "low-comm, sparse codec: the fraction of each tensor's "
+                                  "elements a round sends; the rest waits in the node's error feedback")
     link_mbit: float = option(0.0, "--link-mbit", "low-comm: the slowest link's rate, Mbit/s; the all-reduce "
                               "deadline grows to fit its bytes at this rate (0: --averaging-timeout as given)")
 
@@ -140,8 +144,10 @@ class SwarmConfig:
         if not self.outer_lr > 0 or not 0.0 <= self.outer_momentum < 1.0:
             raise ConfigError(f"outer_lr must be > 0 and outer_momentum in [0, 1), got {self.outer_lr!r}, "
                               f"{self.outer_momentum!r}")
-        if self.wire_codec not in ("fp16", "fp32"):
-            raise ConfigError(f"wire_codec must be fp16 or fp32, got {self.wire_codec!r}")
+        if self.wire_codec not in ("fp16", "fp32", "sparse"):
+            raise ConfigError(f"wire_codec must be fp16, fp32 or sparse, got {self.wire_codec!r}")
+        if not 0.0 < self.topk_fraction <= 1.0:
+            raise ConfigError(f"topk_fraction must be in (0, 1], got {self.topk_fraction!r}")
         if not self.link_mbit >= 0:
             raise ConfigError(f"link_mbit must be >= 0 (0: unknown), got {self.link_mbit!r}")
         if self.swarm_key_path is not None and not str(self.swarm_key_path).strip():

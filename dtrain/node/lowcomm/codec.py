@@ -4,19 +4,23 @@ from __future__ import annotations
 
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 
+from dtrain.node.lowcomm import sparse
+
 
 class UnknownCodec(ValueError):
     """A wire codec name that is not one of CODECS."""
 
 
-# name -> (bytes per element on the wire, hivemind compression factory)
+# name -> (bytes per element on the wire, hivemind compression factory) of the dense all-reduce codecs; "sparse"
+# gathers top-k payloads instead (node.lowcomm.sparse, node.lowcomm.gather), and its bytes depend on the fraction
 CODECS = {
     "fp32": (4.0, NoCompression),
     "fp16": (2.0, Float16Compression),
+    "sparse": (None, NoCompression),
 }
 # No 8-bit codec: hivemind's (Uniform8BitQuantization) clips at 6 standard deviations of a part, which a
 # pseudo-gradient's heavy tails exceed, and is built on torch's quantized tensors, which torch deprecates.
-PARAMS_BYTES = 4.0  # parameters are averaged after each outer round uncompressed: equal steps mean equal bytes
+PARAMS_BYTES = 4.0  # dense codecs: parameters are averaged after each outer round uncompressed (equal bytes)
 
 
 def check(name: str) -> str:
@@ -29,8 +33,22 @@ def compression(name: str) -> CompressionBase:
     return CODECS[check(name)][1]()
 
 
-def bytes_per_element(name: str) -> float:
-    return CODECS[check(name)][0]
+def bytes_per_element(name: str, fraction: float = 1.0) -> float:
+    """Bytes per model element one peer sends in a round: a dense part, or its sparse payload of `fraction`."""
+    if check(name) == "sparse":
+        return sparse.bytes_per_element(fraction)
+    return CODECS[name][0]
+
+
+def round_bytes(name: str, elements: int, peers: int, fraction: float = 1.0) -> float:
+    """Bytes one peer sends in one outer round among `peers`: the pseudo-gradient's exchange, then (dense codecs)
+    the parameters' averaging. The sparse gather is counted for its hub, which sends the most: every member's
+    payload to every other member."""
+    if peers <= 1:
+        return 0.0
+    if check(name) == "sparse":
+        return elements * sparse.bytes_per_element(fraction) * (peers - 1) ** 2
+    return allreduce_bytes(elements, peers, CODECS[name][0]) + allreduce_bytes(elements, peers, PARAMS_BYTES)
 
 
 def allreduce_bytes(elements: int, peers: int, bytes_per_value: float) -> float:

@@ -11,18 +11,27 @@ average (`enter_outer`); after it:
 - no update happened at all (`leave_outer`): the parameters return to where the inner updates had left them.
 Every call that may replace the parameters (an outer update, a download of the swarm's state) comes between
 `enter_outer` and one of the three. Nothing accepted is dropped and nothing goes into two outer updates.
+
+With a sparse codec (`fraction`), what the node offers a round (`offer`) is the top-k of its pseudo-gradient plus its
+error feedback (what earlier rounds did not send). `settle` keeps the unsent rest as the new error feedback; `carry`
+and `leave_outer` leave it as it was, since the whole pseudo-gradient goes back on the parameters.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Optional, Sequence
 
 import torch
 
+from dtrain.node.lowcomm import sparse
+
 
 class InnerRounds:
-    def __init__(self, params: Sequence[torch.nn.Parameter], inner: torch.optim.Optimizer, inner_steps: int):
+    def __init__(self, params: Sequence[torch.nn.Parameter], inner: torch.optim.Optimizer, inner_steps: int,
+                 fraction: Optional[float] = None):
         if inner_steps < 1:
             raise ValueError(f"inner steps must be >= 1, got {inner_steps!r}")
+        if fraction is not None and not 0.0 < fraction <= 1.0:
+            raise ValueError(f"top-k fraction must be in (0, 1], got {fraction!r}")
         self.params = list(params)
         self.inner = inner
         self.inner_steps = inner_steps
@@ -30,6 +39,10 @@ class InnerRounds:
         self._inner = [torch.zeros_like(p) for p in self.params]  # the inner updates' parameters, set aside
         self.steps = 0  # inner updates since the anchor (carried ones included)
         self.in_outer = False
+        self.fraction = fraction
+        self.feedback = [torch.zeros_like(p) for p in self.params] if fraction is not None else None
+        self._offer: Optional[list[torch.Tensor]] = None  # what this round was offered (until settle or carry)
+        self._compress = False
 
     @property
     def due(self) -> bool:
@@ -52,6 +65,20 @@ class InnerRounds:
         with torch.no_grad():
             current = self._inner if self.in_outer else [p.detach() for p in self.params]
             return [a - q for a, q in zip(self.anchor, current)]
+
+    def offer(self, compress: Optional[bool] = None) -> list[torch.Tensor]:
+        """What this node hands the outer round: its pseudo-gradient, or with a sparse codec and `compress` (the node
+        has peers) the top-k of pseudo-gradient plus error feedback. The same tensors until settle or carry;
+        `compress` None keeps the last choice."""
+        if compress is not None and compress != self._compress:
+            self._compress, self._offer = compress, None
+        if self._offer is None:
+            delta = self.pseudo_gradient()
+            if self._compress and self.feedback is not None:
+                with torch.no_grad():
+                    delta = sparse.top_k([e + d for e, d in zip(self.feedback, delta)], self.fraction)
+            self._offer = delta
+        return self._offer
 
     def enter_outer(self) -> None:
         if self.in_outer:
@@ -76,14 +103,19 @@ class InnerRounds:
         with torch.no_grad():
             for p, q in zip(self.params, self._inner):
                 p.copy_(q)
-        self.in_outer = False
+        self.in_outer, self._offer = False, None
 
     def settle(self) -> None:
-        """The parameters hold an outer update that applied this node's pseudo-gradient: the next anchor."""
+        """The parameters hold an outer update that applied this node's offer: the next anchor. What the offer left
+        out of the pseudo-gradient (and of the earlier error feedback) is the error feedback now."""
         with torch.no_grad():
+            if self.feedback is not None:
+                offer, delta = self.offer(), self.pseudo_gradient()
+                for e, d, o in zip(self.feedback, delta, offer):
+                    e.add_(d).sub_(o)
             for a, p in zip(self.anchor, self.params):
                 a.copy_(p)
-        self.steps, self.in_outer = 0, False
+        self.steps, self.in_outer, self._offer = 0, False, None
 
     def carry(self) -> None:
         """The parameters hold the swarm's bytes without this node's pseudo-gradient (or still the anchor: nothing
@@ -98,4 +130,4 @@ class InnerRounds:
             for a, p, d in zip(self.anchor, self.params, delta):
                 a.copy_(p)
                 p.sub_(d)
-        self.in_outer = False
+        self.in_outer, self._offer = False, None

@@ -88,9 +88,7 @@ class CommittingGradientAverager(GradientAverager):
         publish_by, decide_by = commit_window(self._allreduce_timeout)
         group_id = group_info.group_id
         try:
-            gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-            # the round's runner stays registered until this returns (DecentralizedAverager._step)
-            reason = incompleteness(self._running_groups[group_id].result())
+            gathered, reason = await self._exchange(group_info, min_vector_size, **kwargs)
         except Exception as e:  # hivemind wraps every failure of the round in a MatchmakingException
             gathered, reason = None, f"the all-reduce failed ({e})"
         if reason is None and get_dht_time() > began + publish_by:
@@ -103,6 +101,13 @@ class CommittingGradientAverager(GradientAverager):
             logger.info(f"Gradient round {group_id.hex()[:8]} aborted: {reason}")
             return AbortedRound(reason)
         return gathered
+
+    async def _exchange(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
+        """The round's data exchange: (gathered data, None when this member's average is complete else why not).
+        hivemind's butterfly all-reduce here; the sparse codec gathers payloads instead (node.lowcomm.gather)."""
+        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        # the round's runner stays registered until the round returns (DecentralizedAverager._step)
+        return gathered, incompleteness(self._running_groups[group_info.group_id].result())
 
     async def _say(self, key: str, complete: bool) -> None:
         try:

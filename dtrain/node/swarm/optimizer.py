@@ -27,6 +27,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
 from dtrain.node.lowcomm import codec as lowcomm_codec
+from dtrain.node.lowcomm.gather import SparseGatherAverager
 from dtrain.node.swarm.commit import AbortedRound, CommittingGradientAverager
 from dtrain.node.swarm.presence import presence_validator
 from dtrain.node.swarm.records import RecordOwner, identity_kwargs
@@ -38,6 +39,7 @@ logger = get_logger(__name__)
 
 # the tracker looks for fresh swarm progress at least this often: it bounds how far apart peers begin an update
 TRACKER_MAX_REFRESH_S = 1.0
+NEVER = 2 ** 31 - 1  # average_state_every that never comes: the sparse codec's outer steps agree to the bit
 SKIP_LOG_EVERY_S = 10.0  # at most one log line this often for rounds that made no update
 SHUTDOWN_TIMEOUT_S = 5.0  # how long hivemind may take to leave the swarm when stopped under an update
 
@@ -389,10 +391,17 @@ class Swarm:
             # Every node applies the same averaged update: gradients are all-reduced, then parameters and Adam
             # moments (delay_state_averaging=False keeps state averaging inside the update). In low-communication
             # mode the "gradient" is the pseudo-gradient, compressed on the wire, the optimizer is the outer
-            # Nesterov step, and only the parameters are averaged after it (they then agree to the bit); the outer
-            # momentum is each node's own, built from the same averaged pseudo-gradients.
+            # Nesterov step, and only the parameters are averaged after it; the outer momentum is each node's own,
+            # built from the same averaged pseudo-gradients.
             low = dict(grad_compression=lowcomm_codec.compression(config.wire_codec),
                        average_opt_statistics=()) if low_comm else dict(average_opt_statistics=("exp_avg", "exp_avg_sq"))
+            averager = partial(CommittingGradientAverager, record_subkey=self.owner.subkey)
+            if low_comm and config.wire_codec == "sparse":
+                # every member computes the same average from the same payloads (node.lowcomm.gather), so the
+                # outer step gives the same bits everywhere: no parameter averaging after it
+                averager = partial(SparseGatherAverager, record_subkey=self.owner.subkey,
+                                   fraction=config.topk_fraction)
+                low["average_state_every"] = NEVER
             keep_state_shared(local_optimizer)  # before hivemind can hand its state to a downloading peer
             self.optimizer = SwarmOptimizer(
                 local_gradients=local_gradients,
@@ -409,9 +418,8 @@ class Swarm:
                 client_mode=client,  # hivemind 1.1.12 takes the DHT's mode when this is given at all
                 reuse_grad_buffers=True,  # the node writes the exact samples-weighted gradient into .grad itself
                 # a gradient round is applied whole or not at all; members' outcomes are signed records
-                grad_averager_factory=partial(CommittingGradientAverager, record_subkey=self.owner.subkey),
-                average_state_every=1,
-                **low,
+                grad_averager_factory=averager,
+                **{"average_state_every": 1, **low},
                 averager_opts=dict(request_timeout=config.request_timeout_s),
                 # the tracker signs its progress records with the DHT's one record key (hivemind keeps the first
                 # RSASignatureValidator a DHT is given and ignores later ones)

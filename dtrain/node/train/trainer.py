@@ -43,6 +43,7 @@ from dtrain.node.swarm.optimizer import SHUTDOWN_TIMEOUT_S, Swarm, make_local_op
 logger = get_logger(__name__)
 
 POLL_S = 0.25  # how long an idle training thread sleeps unless a hand-over wakes it
+DEADLINE_PEERS = 4  # low-comm, sparse codec: the group size the round deadline is sized for
 
 
 class NodeStopped(RuntimeError):
@@ -136,10 +137,15 @@ class TrainingNode:
         swarm = config.swarm
         if swarm.sync != "low-comm":
             return swarm
-        per_value = max(lowcomm_codec.bytes_per_element(swarm.wire_codec), lowcomm_codec.PARAMS_BYTES)
-        deadline = round_deadline(self.total_params * per_value, swarm.averaging_timeout_s, swarm.link_mbit)
+        if swarm.wire_codec == "sparse":  # what a hub of a group of DEADLINE_PEERS sends
+            round_bytes = lowcomm_codec.round_bytes("sparse", self.total_params, DEADLINE_PEERS, swarm.topk_fraction)
+            codec = f"top-{swarm.topk_fraction:g} sparse payloads with error feedback"
+        else:
+            per_value = max(lowcomm_codec.bytes_per_element(swarm.wire_codec), lowcomm_codec.PARAMS_BYTES)
+            round_bytes, codec = self.total_params * per_value, swarm.wire_codec
+        deadline = round_deadline(round_bytes, swarm.averaging_timeout_s, swarm.link_mbit)
         logger.info(f"low-comm: {swarm.inner_steps} inner updates per outer round, pseudo-gradient in "
-                    f"{swarm.wire_codec}; all-reduce deadline {deadline.seconds:.0f}s from {deadline.why}")
+                    f"{codec}; all-reduce deadline {deadline.seconds:.0f}s from {deadline.why}")
         return dataclasses.replace(swarm, averaging_timeout_s=deadline.seconds)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
@@ -261,7 +267,7 @@ class TrainingNode:
             self._losses = list(restored.losses)
             logger.info(f"Restored checkpoint: epoch {restored.epoch}, {len(restored.losses)} losses")
 
-        local_gradients = (lambda: self.rounds.pseudo_gradient()) if self.low_comm else self.gradient.mean
+        local_gradients = (lambda: self.rounds.offer()) if self.low_comm else self.gradient.mean
         self.swarm = swarm = Swarm(self.swarm_config, local_opt, local_gradients=local_gradients,
                                    low_comm=self.low_comm)
         opt = swarm.optimizer
@@ -284,7 +290,8 @@ class TrainingNode:
             if restored is None or behind or not self._swarm_serves_my_bytes():
                 checked = self._join_download(cfg.swarm.load_state_timeout_s) is Download.CHECKED
         if self.low_comm:
-            self.rounds = InnerRounds(list(self.model.parameters()), inner, cfg.swarm.inner_steps)
+            fraction = cfg.swarm.topk_fraction if cfg.swarm.wire_codec == "sparse" else None
+            self.rounds = InnerRounds(list(self.model.parameters()), inner, cfg.swarm.inner_steps, fraction)
             opt.tracker.round_due = lambda: self._round_due
         snap = make_snapshot(self.model, opt.local_epoch)
         if (checked and snap.updates > 0) or (founder and snap.updates == 0):
@@ -439,8 +446,8 @@ class TrainingNode:
         counted = opt.grad_averager
         new_samples = max(self.gradient.samples - counted.local_samples_accumulated, 0)
         calls = counted.local_times_accumulated + 1  # hivemind divides .grad by the step() calls of the epoch
-        with torch.no_grad():
-            for p, d in zip(self.model.parameters(), rounds.pseudo_gradient()):
+        with torch.no_grad():  # alone, the whole pseudo-gradient; with peers, what the codec sends of it
+            for p, d in zip(self.model.parameters(), rounds.offer(compress=not alone)):
                 p.grad.copy_(d).mul_(calls)
         epoch_before, round_before = opt.local_epoch, opt.last_round
         if new_samples:
