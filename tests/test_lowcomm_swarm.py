@@ -35,6 +35,7 @@ def test_two_nodes_average_outer_rounds_and_serve_equal_bytes(args, codec):
             averaged = [line for line in node.output().splitlines() if "Averaged gradients with 2 peers" in line]
             assert averaged, f"node {node.name} averaged no outer round with its peer"
             s = node.status()
+            assert (s["sync"], s["wire_codec"], s["closed"]) == ("low-comm", codec, False)
             # between rounds a node trains at most INNER local batches it has not applied yet; nothing is dropped
             assert s["applied_samples"] > 0 and s["pending_samples"] <= INNER * 2
             if codec == "sparse":  # the same payloads, the same average, the same outer step: nothing to download

@@ -262,6 +262,11 @@ def _schemas() -> dict:
             "accepted_packets": integer, "accepted_samples": integer, "applied_packets": integer,
             "applied_samples": integer, "carried_packets": integer, "carried_samples": integer,
             "pending_samples": integer, "last_update_s": {"type": "number"}, "skipped_rounds": integer,
+            "closed": {"type": "boolean", "description": "a closed swarm (--swarm-key): only peers that hold the key "
+                       "can join; open otherwise (docs/peers.md)"},
+            "sync": {"enum": ["per-step", "low-comm"]},
+            "wire_codec": {"enum": ["fp16", "fp32", "sparse", None], "description": "low-comm: the pseudo-gradient "
+                           "on the wire (null in per-step mode)"},
             "reachability": {"type": "object", "description": "how this node takes part in the swarm "
                              "(docs/home-nodes.md): mode public (a full peer) or client (dials out only), and what "
                              "the dial-back check at start found", "properties": {

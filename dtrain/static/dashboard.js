@@ -57,6 +57,14 @@ function describeReachability(r) {
   return `${role} · ${why}${r.relay ? "" : " · relays off"}`;
 }
 
+// open or closed (--swarm-key), and how it syncs (docs/peers.md, docs/low-communication.md)
+function describeSwarm(s) {
+  if (typeof s.closed !== "boolean") return "–";
+  const access = s.closed ? "closed: only peers with the swarm key can join" : "open: any peer that learns an address can join";
+  const sync = s.sync === "low-comm" ? `low-communication rounds (${s.wire_codec})` : "per-step";
+  return `${access} · ${sync}`;
+}
+
 function renderStatus(s) {
   setText("s-step", fmtInt(s.step));
   setText("s-updates", fmtInt(s.updates));
@@ -84,6 +92,7 @@ function renderStatus(s) {
   setText("join-cmd", maddrs.length ? `dtrain-node --initial-peers ${maddrs[0]}` : "(node has no listen address yet)");
   setText("peer-id", s.peer_id || "–");
   setText("reachability", describeReachability(s.reachability));
+  setText("swarm-kind", describeSwarm(s));
   setText("params-sha", s.params_sha256 ? s.params_sha256.slice(0, 16) + "…" : "–");
   $("params-sha").title = s.params_sha256 || "";
 

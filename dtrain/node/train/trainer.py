@@ -77,6 +77,9 @@ class NodeStatus:
     references: int = 0  # trusted reference gradients computed (one per step with contributions)
     reference_seconds: float = 0.0  # their total wall time
     scored_out: int = 0  # contributors the ledger refuses for their record
+    closed: bool = False  # --swarm-key: only peers that hold the key can join (docs/peers.md)
+    sync: str = "per-step"  # how the swarm syncs: per-step or low-comm (docs/low-communication.md)
+    wire_codec: Optional[str] = None  # low-comm: fp16, fp32 or sparse
 
 
 class TrainingNode:
@@ -238,6 +241,9 @@ class TrainingNode:
             skipped_rounds=self.swarm.optimizer.skipped_rounds if self.swarm else 0,
             references=self.reference.computed if self.reference else 0,
             reference_seconds=self.reference.seconds if self.reference else 0.0,
+            closed=self.swarm.closed if self.swarm else False,
+            sync=self.config.swarm.sync,
+            wire_codec=self.config.swarm.wire_codec if self.low_comm else None,
             scored_out=self.ledger.summary().scored_out,
         )
 
