@@ -1,6 +1,6 @@
-"""The optimizer's state stays in shared memory (node.swarm.optimizer.keep_state_shared), so handing it to a
-downloading peer never moves a tensor the training thread is using: after the start, every step and every load,
-pickling the state for a pipe (as hivemind does) leaves every tensor's memory where it was."""
+"""The parameters and the optimizer's state stay in shared memory (node.swarm.optimizer.keep_state_shared), so
+handing them to a downloading peer never moves a tensor the training thread is using: after the start, every step
+and every load, pickling them for a pipe (as hivemind does) leaves every tensor's memory where it was."""
 from __future__ import annotations
 
 import io
@@ -20,7 +20,7 @@ def _state_tensors(opt):
 
 
 def _pickle_moves_nothing(opt) -> None:
-    tensors = _state_tensors(opt)
+    tensors = _state_tensors(opt) + [p for group in opt.param_groups for p in group["params"]]
     assert tensors and all(t.is_shared() for t in tensors)
     before = [t.data_ptr() for t in tensors]
     ForkingPickler(io.BytesIO()).dump(tensors)  # what hivemind's pipe does with the state it sends

@@ -108,15 +108,22 @@ def make_local_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.op
 
 
 def keep_state_shared(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Keep every CPU tensor of `optimizer`'s state in shared memory: now, after each step and after each load.
+    """Keep `optimizer`'s parameters and every CPU tensor of its state in shared memory: the parameters now, the state
+    now, after each step and after each load.
 
-    hivemind hands a peer that downloads this node's state the optimizer's state tensors through a multiprocessing
-    pipe, after it let go of its lock. Pickling a tensor that is not yet in shared memory moves its storage there and
-    frees the old memory, while the training thread may be reading or writing it (the next optimizer step, the
-    non-finite check): a read of freed memory, which for large tensors is unmapped and crashes the node (SIGSEGV in
-    libtorch), and for small ones (AdamW's `step`) silently corrupts them. Tensors already in shared memory are
-    pickled as they are: nothing moves.
+    hivemind hands a peer that downloads this node's state the parameters and the optimizer's state tensors through
+    a multiprocessing pipe, after it let go of its lock (with an optimizer given to it, hivemind averages copies and
+    leaves the model's own tensors where they are). Pickling a tensor that is not yet in shared memory moves its
+    storage there and frees the old memory, while the training thread may be reading or writing it (a forward pass,
+    the next optimizer step, a snapshot): a read of freed memory, which for large tensors is unmapped and crashes the
+    node (SIGSEGV in libtorch), and for small ones (AdamW's `step`) silently corrupts them. Tensors already in shared
+    memory are pickled as they are: nothing moves.
     """
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.device.type == "cpu" and not p.is_shared():
+                    p.share_memory_()
 
     def share(*_) -> None:
         for state in optimizer.state.values():
