@@ -6,11 +6,12 @@ delay or loss is emulated, only bandwidth. Every node trains on its own shard of
 tail of the text is never trained on.
 
 Modes: per-step sync; low-comm with the dense fp16 all-reduce and parameter averaging; sparse, low-comm with
-top-k payloads gathered (--wire-codec sparse). For each mode and rate it prints: seconds per update (outer update in low-comm mode), MB each node sent per 1,000
-samples the swarm applied, the swarm's applied samples per second, the held-out loss of node A's served model when
-the run ends, the samples applied by then, and the longest time two nodes served one step with different bytes.
-A run ends after --samples applied samples or --seconds, whichever comes first; loss is comparable only between
-rows that reached the same samples.
+top-k payloads gathered (--wire-codec sparse). For each mode and rate it prints, from the swarm's first update after
+every node is ready (the joins' downloads left out): seconds per update (outer update in low-comm mode), MB each
+node sent per 1,000 samples the swarm applied, the swarm's applied samples per second, the held-out loss of node A's
+served model when the run ends, the samples applied by then, and the longest time two nodes served one step with
+different bytes. A run ends after --samples applied samples or --seconds, whichever comes first; loss is comparable
+only between rows that reached the same samples.
 
 Runs as root (namespaces), under the heavy lock:
     flock /tmp/dtrain-heavy.lock .venv/bin/python bench/bench_wan.py --rates unlimited,20 --samples 3000
@@ -33,7 +34,7 @@ from dtrain.node.config import ModelConfig  # noqa: E402
 from dtrain.node.model import build_model  # noqa: E402
 from dtrain.node.tokenizer import load_tokenizer  # noqa: E402
 from tests.netns import Net, unavailable_reason  # noqa: E402
-from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id  # noqa: E402
+from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, wait_until  # noqa: E402
 from tests.swarmcheck import ByteWatch, tensor_f32  # noqa: E402
 
 TEXT = Path("/work/shared/data/tinyshakespeare.txt")
@@ -101,6 +102,10 @@ def run(mode: str, rate, args, paths: list[Path], held_tokens: np.ndarray) -> di
                                          initial_peers=peers, netns=host, host_maddrs=f"/ip4/{host.ip}/tcp/0"))
             for node in nodes:
                 node.wait_ready(600)
+            # measured from the swarm's first update after every node is ready: the joiners' catch-up downloads
+            # (a join's cost, not a round's) are left out of the bytes per sample
+            first = max(n.status()["step"] for n in nodes) + 1
+            wait_until(lambda: min(n.status()["step"] for n in nodes) >= first, args.seconds, "a first update")
             sent0 = [tx_bytes(h) for h in hosts]
             statuses = [n.status() for n in nodes]
             applied0, step0 = sum(s["applied_samples"] for s in statuses), statuses[0]["step"]
