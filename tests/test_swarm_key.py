@@ -216,8 +216,8 @@ def test_nodes_with_the_key_train_in_lockstep_and_a_node_with_another_key_stops(
         nodes.append(keyless)
         assert keyless.proc.wait(120) != 0, keyless.output()[-3000:]
         assert "bootstrap failed" in keyless.output()
-        _check_lockstep(nodes[:2], peers=2, epochs=2)
         assert [n.status()["closed"] for n in nodes[:2]] == [True, True]
+        _check_lockstep(nodes[:2], peers=2, epochs=2)  # stops the nodes
     except BaseException:
         print_logs(nodes)
         raise
