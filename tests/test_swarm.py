@@ -89,9 +89,12 @@ def test_late_joiner_catches_up_before_serving(text_file):
         late.wait_ready()
         first_step, first_digest = min(late.digests().items())
         assert first_step >= 3, late.output()[-2000:]
-        # the parameters it serves first are the swarm's at that step, to the byte
-        wait_until(lambda: all(first_step in n.digests() for n in nodes[:2]), 60, "the peers to publish that step")
-        assert first_digest == nodes[0].digests()[first_step] == nodes[1].digests()[first_step]
+        # the parameters it serves first are the swarm's at that step, to the byte. A peer that was catching up
+        # itself may have gone past that step without serving it (from step 4 to a download of step 6, say); every
+        # peer that served it served these bytes
+        wait_until(lambda: any(first_step in n.digests() for n in nodes[:2]), 60, "a peer to publish that step")
+        served = [n.digests()[first_step] for n in nodes[:2] if first_step in n.digests()]
+        assert served and all(digest == first_digest for digest in served), (first_digest, served)
         assert late.status()["step"] >= first_step
     except BaseException:
         print_logs(nodes)
