@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import AsyncIterator, Dict, Optional
 
 import torch
@@ -23,7 +24,7 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import enter_asynchronously
+from hivemind.utils.asyncio import as_aiter, enter_asynchronously
 from hivemind.utils.logging import get_logger
 
 from dtrain.node.lowcomm import sparse
@@ -66,12 +67,14 @@ class SparseGatherAverager(CommittingGradientAverager):
         self._gather_begun: Optional[asyncio.Condition] = None
         super().__init__(*args, **kwargs)
 
+    @cached_property  # read in the averager's process, once: the tensors' sizes never change
     def _limits(self) -> tuple[int, int]:
         sizes = [t.numel() for t in self._averaged_tensors]
         return sum(sizes), sparse.max_kept(sizes, self.fraction)
 
+    @cached_property
     def _max_payload_bytes(self) -> int:
-        return sparse.HEADER.size + sparse.BYTES_PER_KEPT * self._limits()[1]
+        return sparse.HEADER.size + sparse.BYTES_PER_KEPT * self._limits[1]
 
     async def _exchange(self, group_info: GroupInfo, min_vector_size: int, weight: float = 1.0, **kwargs):
         began = get_dht_time()
@@ -86,7 +89,7 @@ class SparseGatherAverager(CommittingGradientAverager):
         runner_slot = self._running_groups.get(group_id)
         if runner_slot is not None and not runner_slot.done():
             runner_slot.set_result(None)
-        total, limit = self._limits()
+        total, limit = self._limits
         async with enter_asynchronously(self.get_tensors()) as tensors:
             own = sparse.encode(_flat(tensors))
         weight = float(weight)
@@ -129,7 +132,7 @@ class SparseGatherAverager(CommittingGradientAverager):
                         received: Dict[PeerID, tuple[float, bytes]]) -> Optional[str]:
         """Send this member's payload to the hub and put the others' into `received`; why not, if it failed."""
         stub = type(self).get_stub(self._p2p, hub, namespace=self.prefix)
-        stream = await stub.rpc_sparse_gather(_aiter(_chunks(group_info.group_id, self.peer_id, weight, own)))
+        stream = await stub.rpc_sparse_gather(as_aiter(*_chunks(group_info.group_id, self.peer_id, weight, own)))
         parts: Dict[PeerID, list] = {}
         async for message in stream:
             if message.code != averaging_pb2.AVERAGED_PART:
@@ -137,11 +140,12 @@ class SparseGatherAverager(CommittingGradientAverager):
             peer = PeerID(message.peer_id)
             if peer not in group_info.peer_ids or peer == self.peer_id:
                 return f"the hub {hub} sent a payload of {peer}, not of another member"
-            weight_and_chunks = parts.setdefault(peer, [message.weight, []])
-            weight_and_chunks[1].append(message.tensor_part.buffer)
-            if sum(map(len, weight_and_chunks[1])) > self._max_payload_bytes():
+            part = parts.setdefault(peer, [message.weight, [], 0])  # weight, chunks, bytes so far
+            part[1].append(message.tensor_part.buffer)
+            part[2] += len(message.tensor_part.buffer)
+            if part[2] > self._max_payload_bytes:
                 return f"the hub {hub} sent more than a payload for {peer}"
-        for peer, (w, chunks) in parts.items():
+        for peer, (w, chunks, _) in parts.items():
             received[peer] = (w, b"".join(chunks))
         missing = [str(p) for p in group_info.peer_ids if p not in received]
         return f"the hub {hub} sent no payload of {', '.join(missing)}" if missing else None
@@ -186,7 +190,7 @@ class SparseGatherAverager(CommittingGradientAverager):
         async for message in stream:
             chunks.append(message.tensor_part.buffer)
             size += len(message.tensor_part.buffer)
-            if size > self._max_payload_bytes():
+            if size > self._max_payload_bytes:
                 yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
                 return
         gather.put(sender, float(first.weight), b"".join(chunks))
@@ -205,7 +209,3 @@ class SparseGatherAverager(CommittingGradientAverager):
 def _flat(tensors) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1).float() for t in tensors])
 
-
-async def _aiter(items):
-    for item in items:
-        yield item
