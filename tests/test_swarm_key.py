@@ -218,6 +218,8 @@ def test_nodes_with_the_key_train_in_lockstep_and_a_node_with_another_key_stops(
         assert "bootstrap failed" in keyless.output()
         assert [n.status()["closed"] for n in nodes[:2]] == [True, True]
         _check_lockstep(nodes[:2], peers=2, epochs=2)  # stops the nodes
+        for node in nodes[:2]:  # each proved the key to the other's averagers (node.swarm.keygate)
+            assert "did not prove the swarm key" not in node.output()
     except BaseException:
         print_logs(nodes)
         raise

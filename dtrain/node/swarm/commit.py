@@ -31,6 +31,7 @@ from hivemind.optim.grad_averager import GradientAverager
 from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
+from dtrain.node.swarm.keygate import KeyGatedServicer
 from dtrain.node.swarm.records import by_peer
 
 logger = get_logger(__name__)
@@ -70,13 +71,14 @@ def record_key(prefix: str, group_id: bytes) -> str:
     return f"{prefix}_commit_{group_id.hex()}"
 
 
-class CommittingGradientAverager(GradientAverager):
+class CommittingGradientAverager(KeyGatedServicer, GradientAverager):
     """hivemind's GradientAverager with the commit step: its round returns the gathered data when every member's
     all-reduce was complete, else an `AbortedRound` (never an exception, so hivemind does not retry a round with
     tensors a failed attempt has half averaged).
 
     `record_subkey` is this peer's signed subkey (`RecordOwner.subkey`, node.swarm.records): the DHT signs its
-    outcome with the peer's identity, so no member can say complete (or incomplete) for another.
+    outcome with the peer's identity, so no member can say complete (or incomplete) for another. With `swarm_key`
+    (a closed swarm) its RPCs answer only peers that prove the key (node.swarm.keygate).
     """
 
     def __init__(self, *args, record_subkey: bytes, **kwargs):

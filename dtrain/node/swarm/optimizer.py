@@ -22,6 +22,7 @@ from typing import Callable, Optional, Sequence
 import hivemind
 import torch
 from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
@@ -29,6 +30,7 @@ from hivemind.utils.logging import get_logger
 from dtrain.node.lowcomm import codec as lowcomm_codec
 from dtrain.node.lowcomm.gather import SparseGatherAverager
 from dtrain.node.swarm.commit import AbortedRound, CommittingGradientAverager
+from dtrain.node.swarm.keygate import KeyGatedServicer, start_prover
 from dtrain.node.swarm.presence import presence_validator
 from dtrain.node.swarm.records import RecordOwner, identity_kwargs
 from dtrain.node.swarm.swarmkey import SwarmJoinError, SwarmKeyAuthorizer, keyed_run_id, load_swarm_key
@@ -183,6 +185,11 @@ class PacedTracker(ProgressTracker):
         return get_dht_time() if self.ready_to_update_epoch else float("inf")
 
 
+class GatedStateAverager(KeyGatedServicer, TrainingStateAverager):
+    """hivemind's state averager (parameter and state averaging, state downloads) whose RPCs, in a closed swarm,
+    answer only peers that prove the key (node.swarm.keygate)."""
+
+
 class SwarmOptimizer(hivemind.Optimizer):
     """hivemind.Optimizer that applies this peer's exact gradient whenever the swarm's average is unavailable and
     reports the outcome of every update (`last_round`).
@@ -201,8 +208,9 @@ class SwarmOptimizer(hivemind.Optimizer):
     """
 
     def __init__(self, *, local_gradients: Callable[[], Sequence[torch.Tensor]], update_bonus: float,
-                 settle_s: float, **kwargs):
+                 settle_s: float, swarm_key: Optional[bytes] = None, **kwargs):
         self._local_gradients = local_gradients
+        self._swarm_key = swarm_key  # a closed swarm: the state averager's RPCs answer only holders of the key
         self._update_bonus = update_bonus  # added to the epoch as this peer's state-sharing priority after an update
         self._settle_s = settle_s
         self.last_round: Optional[RoundOutcome] = None
@@ -212,6 +220,16 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._round_samples = 0  # samples this peer brought to the round being run
         self._next_skip_log = 0.0
         super().__init__(**kwargs)
+
+    def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
+        # hivemind's own, with the state averager's class gated by the swarm key
+        return GatedStateAverager(
+            swarm_key=self._swarm_key, dht=self.dht, prefix=f"{self.run_id}_state_averager",
+            min_matchmaking_time=self.matchmaking_time, allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout, offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer, status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout, client_mode=self.client_mode, auxiliary=self.auxiliary,
+            start=True, **kwargs)
 
     def _no_round_alone(self, reason: str) -> None:
         # A client-mode peer never updates alone (see the class docstring); nor does a full peer that only joined
@@ -369,7 +387,7 @@ class Swarm:
         self.owner = RecordOwner.from_identity(identity_path) if identity_path else RecordOwner.generate()
         # asked before the DHT starts: hivemind's client mode is chosen when a peer is created
         self.reachability: Reachability = decide(config.reachability, config.relay, config.initial_peers,
-                                                 config.host_maddrs, config.announce_maddrs)
+                                                 config.host_maddrs, config.announce_maddrs, swarm_key=swarm_key)
         logger.info(self.reachability.describe())
         client = self.reachability.mode == "client"
         with identity_kwargs(self.owner, identity_path) as identity, _closed_join(self.closed):
@@ -389,8 +407,10 @@ class Swarm:
         self.service: Optional[ReachabilityService] = None
         self._shut_down = threading.Event()
         try:
+            if swarm_key:  # answer the challenges of peers' gated RPCs (node.swarm.keygate)
+                start_prover(self.dht, swarm_key)
             if not client:  # a client-mode peer cannot be asked: nobody dials it
-                self.service = ReachabilityService(self.dht)
+                self.service = ReachabilityService(self.dht, swarm_key)
             self.peer_id = str(self.dht.peer_id)
             if self.peer_id != self.owner.peer_id:  # records would name another peer than the one that wrote them
                 raise RuntimeError(f"p2pd runs as {self.peer_id}, not as the record key's peer {self.owner.peer_id}")
@@ -402,17 +422,18 @@ class Swarm:
             # built from the same averaged pseudo-gradients.
             low = dict(grad_compression=lowcomm_codec.compression(config.wire_codec),
                        average_opt_statistics=()) if low_comm else dict(average_opt_statistics=("exp_avg", "exp_avg_sq"))
-            averager = partial(CommittingGradientAverager, record_subkey=self.owner.subkey)
+            averager = partial(CommittingGradientAverager, record_subkey=self.owner.subkey, swarm_key=swarm_key)
             if low_comm and config.wire_codec == "sparse":
                 # every member computes the same average from the same payloads (node.lowcomm.gather), so the
                 # outer step gives the same bits everywhere: no parameter averaging after it
-                averager = partial(SparseGatherAverager, record_subkey=self.owner.subkey,
+                averager = partial(SparseGatherAverager, record_subkey=self.owner.subkey, swarm_key=swarm_key,
                                    fraction=config.topk_fraction)
                 low["average_state_every"] = NEVER
             keep_state_shared(local_optimizer)  # before hivemind can hand its state to a downloading peer
             self.optimizer = SwarmOptimizer(
                 local_gradients=local_gradients,
                 update_bonus=peer_bonus(self.peer_id),
+                swarm_key=swarm_key,
                 settle_s=config.settle_s,
                 dht=self.dht,
                 run_id=self.run_id,

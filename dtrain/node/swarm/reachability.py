@@ -14,7 +14,8 @@ only known from outside, so it asks (as Petals' servers do at start):
 4. Reachable if at least half of the peers that answered could dial back; unreachable if none could and at least
    one answered; unchecked if none answered or there is no one to ask (the first node of a swarm).
 
-The check says nothing about the node's bridge port (browsers), only about its libp2p addresses.
+The check says nothing about the node's bridge port (browsers), only about its libp2p addresses. In a closed swarm
+a peer answers the check only for askers that prove the swarm key (node.swarm.keygate).
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from google.protobuf import wrappers_pb2
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.utils.logging import get_logger
 from hivemind.utils.multiaddr import Multiaddr
+
+from dtrain.node.swarm.keygate import KeyGate, add_prover
 
 logger = get_logger(__name__)
 
@@ -154,7 +157,7 @@ async def _dial_back(probe: P2P, peer_id: PeerID, maddrs: list[Multiaddr]) -> bo
 
 
 async def _check(initial_peers: Sequence[str], host_maddrs: Sequence[str], announce_maddrs: Sequence[str],
-                 identity_path: Optional[str]) -> CheckResult:
+                 identity_path: Optional[str], swarm_key: Optional[bytes] = None) -> CheckResult:
     helpers = peer_ids_of(initial_peers)[:MAX_ASKED]
     if not helpers:
         return CheckResult("unchecked", 0, 0, 0, "no initial peer to ask")
@@ -164,6 +167,8 @@ async def _check(initial_peers: Sequence[str], host_maddrs: Sequence[str], annou
         identity_path=identity_path, check_if_identity_free=False), START_TIMEOUT_S)
     try:
         await target.add_protobuf_handler(PING_HANDLER, _ping, wrappers_pb2.BoolValue)
+        if swarm_key:
+            await add_prover(target, swarm_key)
         maddrs = [str(m) for m in await target.get_visible_maddrs(latest=True)]
         request = encode_request(str(target.peer_id), maddrs)
 
@@ -186,16 +191,17 @@ async def _check(initial_peers: Sequence[str], host_maddrs: Sequence[str], annou
 
 
 def check_reachability(initial_peers: Sequence[str], host_maddrs: Sequence[str], announce_maddrs: Sequence[str],
-                       identity_path: Optional[str] = None) -> CheckResult:
+                       identity_path: Optional[str] = None, swarm_key: Optional[bytes] = None) -> CheckResult:
     """Ask the initial peers to dial this node back on what it would announce (bounded). Runs on a thread with a
-    loop of its own: the node starts from inside its bridge's event loop."""
+    loop of its own: the node starts from inside its bridge's event loop. In a closed swarm (`swarm_key`) the
+    peers asked first have this node prove the key (node.swarm.keygate)."""
     bound_s = START_TIMEOUT_S + ASK_TIMEOUT_S + 10.0
     result: list = []
 
     def run():
         try:
             result.append(asyncio.run(asyncio.wait_for(
-                _check(initial_peers, host_maddrs, announce_maddrs, identity_path), bound_s)))
+                _check(initial_peers, host_maddrs, announce_maddrs, identity_path, swarm_key), bound_s)))
         except BaseException as e:  # a host that would not start, a bound that ran out: nothing was learned
             result.append(e)
 
@@ -214,7 +220,7 @@ class ReachabilityService:
     of its own, started on the first request. Runs on a thread with its own event loop, like hivemind's DHT does
     in its process."""
 
-    def __init__(self, dht):
+    def __init__(self, dht, swarm_key: Optional[bytes] = None):
         # a client of the DHT's libp2p daemon of our own (not dht.replicate_p2p()'s shared one), so that shutdown
         # can close it with its tasks
         self._daemon_maddr = dht.run_coroutine(_daemon_listen_maddr)
@@ -223,6 +229,8 @@ class ReachabilityService:
         self._probe: Optional[P2P] = None
         self._probe_lock: Optional[asyncio.Lock] = None
         self._dials: Optional[asyncio.Semaphore] = None
+        self._key = swarm_key
+        self._gate: Optional[KeyGate] = None
         self._thread = threading.Thread(target=self._loop.run_forever, name="dtrain-reachability", daemon=True)
         self._thread.start()
         try:
@@ -235,6 +243,7 @@ class ReachabilityService:
         self._probe_lock = asyncio.Lock()
         self._dials = asyncio.Semaphore(4)  # dial-backs at once: each holds a probe connection for seconds
         self._p2p = await P2P.replicate(self._daemon_maddr)
+        self._gate = KeyGate(self._key, self._p2p) if self._key else None
         await self._p2p.add_protobuf_handler(CHECK_HANDLER, self._handle, wrappers_pb2.StringValue)
 
     async def _get_probe(self) -> P2P:
@@ -245,6 +254,8 @@ class ReachabilityService:
             return self._probe
 
     async def _handle(self, request: wrappers_pb2.StringValue, context: P2PContext) -> wrappers_pb2.BoolValue:
+        if self._gate is not None:
+            await self._gate.check(context)  # KeyRefused: the asker gets an error, not an answer
         try:
             peer_id, maddrs = decode_request(request.value)
         except ReachabilityError as e:
@@ -312,12 +323,13 @@ class Reachability:
 
 
 def decide(mode_flag: str, relay: bool, initial_peers: Sequence[str], host_maddrs: Sequence[str],
-           announce_maddrs: Sequence[str], identity_path: Optional[str] = None) -> Reachability:
+           announce_maddrs: Sequence[str], identity_path: Optional[str] = None,
+           swarm_key: Optional[bytes] = None) -> Reachability:
     """`--reachability` auto asks the initial peers (check_reachability) and joins in client mode only when they
     answered and none could dial back: a check that learned nothing keeps a full peer, as before the check existed."""
     if mode_flag in ("public", "client"):
         return Reachability(mode_flag, CheckResult("unchecked", 0, 0, 0, f"--reachability {mode_flag}"), relay, "flag")
     if mode_flag != "auto":
         raise ReachabilityError(f"--reachability {mode_flag!r}: expected auto, public or client")
-    check = check_reachability(initial_peers, host_maddrs, announce_maddrs, identity_path)
+    check = check_reachability(initial_peers, host_maddrs, announce_maddrs, identity_path, swarm_key)
     return Reachability("client" if check.verdict == "unreachable" else "public", check, relay, "check")

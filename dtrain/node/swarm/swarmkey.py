@@ -9,7 +9,8 @@ neither join the DHT nor read or store anything in it.
 
 The key also names the run: the DHT keys of the run (progress, averaging groups, the node's records) and the
 averagers' RPC names are prefixed with `run_id + "_" + HMAC(key, run_id)[:16]`, so a peer without the key cannot
-compute them.
+compute them. Names are no secret to a host that connects (libp2p's identify lists them): the RPCs that carry no
+HMAC ask their caller to prove the key (node.swarm.keygate).
 """
 from __future__ import annotations
 
