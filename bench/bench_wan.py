@@ -3,7 +3,8 @@
 Each node runs in a namespace of its own (tests/netns.py) with a veth to a shared bridge; with a rate R both ends of
 its veth are shaped with tbf to R Mbit/s, so upload and download are each limited to R. This kernel has no netem: no
 delay or loss is emulated, only bandwidth. Every node trains on its own shard of the text (no browsers); a held-out
-tail of the text is never trained on.
+tail of the text is never trained on. Every node waits for all N to join (--wait-for-peers N) before it trains, so
+every run starts from the model's seeded weights on every node and rows at equal samples compare equal training.
 
 Modes: per-step sync; low-comm with the dense fp16 all-reduce and parameter averaging; sparse, low-comm with
 top-k payloads gathered (--wire-codec sparse). For each mode and rate it prints, from the swarm's first update after
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -59,10 +61,11 @@ def tx_bytes(host) -> int:
     return int(host.run(["cat", "/sys/class/net/eth0/statistics/tx_bytes"]).stdout.strip())
 
 
-def held_out_loss(node: NodeProcess, model_config: Path, held_tokens: np.ndarray) -> float:
+def held_out_loss(node: Optional[NodeProcess], model_config: Path, held_tokens: np.ndarray) -> float:
+    """The held-out loss of `node`'s served model (None: the seeded weights every run starts from)."""
     model = build_model(ModelConfig.load(model_config))
     with torch.no_grad():
-        for tid, p in enumerate(model.parameters()):
+        for tid, p in enumerate(model.parameters() if node is not None else ()):
             _, values = tensor_f32(node, tid)
             p.copy_(torch.from_numpy(values.copy()).view_as(p))
         model.eval()
@@ -86,7 +89,7 @@ MODES = {
 def run(mode: str, rate, args, paths: list[Path], held_tokens: np.ndarray) -> dict:
     common = ["--model-config", str(args.model_config), "--local-batch-size", str(args.batch), "--local-seq-len",
               "64", *MODES[mode], "--inner-steps", str(args.inner_steps), "--topk-fraction", str(args.topk_fraction),
-              *NODE_TIMEOUTS]
+              "--wait-for-peers", str(args.peers), *NODE_TIMEOUTS]
     if rate is not None and mode != "per-step":
         common += ["--link-mbit", str(rate)]
     run_id, nodes = new_run_id(), []
@@ -165,7 +168,8 @@ def main() -> None:
                 print(row, flush=True)
     print(f"\n{args.peers} nodes, {args.model_config.name}, batch {args.batch}, inner steps {args.inner_steps}, "
           f"sparse top-k fraction {args.topk_fraction:g}; "
-          f"tbf both directions, no netem (no delay emulated)\n")
+          f"tbf both directions, no netem (no delay emulated); held-out loss of the seeded weights every run "
+          f"starts from: {held_out_loss(None, args.model_config, held_tokens):.3f}\n")
     print("| mode | Mbit/s | s/update | MB sent/node/1k samples | swarm samples/s | held-out loss | samples "
           "| longest split (s) |")
     print("|---|---|---|---|---|---|---|---|")

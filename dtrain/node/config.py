@@ -196,6 +196,9 @@ class NodeConfig:
     local_seq_len: int = option(64, "--local-seq-len", "tokens per sequence of local training and handed-out batches")
     local_samples_per_update: int = option(0, "--local-samples-per-update",
                                            "own-data samples per update, then wait for the swarm (0: no cap)")
+    wait_for_peers: int = option(1, "--wait-for-peers", "train on local data only once this many nodes (this one "
+                                 "included) have joined the swarm, so that a run starts from one state on every "
+                                 "node; browsers' packets are taken meanwhile (1: at once)")
     log_level: str = option("INFO", "--log-level", "DEBUG, INFO, WARNING")
     # untrusted contributors (docs/robustness.md)
     max_samples_per_packet: int = option(256, "--max-samples-per-packet",
@@ -240,6 +243,8 @@ class NodeConfig:
         if not 0 <= self.reference_batch <= 256:
             raise ConfigError(f"reference_batch must be in [0, 256] sequences (0: no reference), "
                               f"got {self.reference_batch!r}")
+        if not isinstance(self.wait_for_peers, int) or self.wait_for_peers < 1:
+            raise ConfigError(f"wait_for_peers must be an integer >= 1 (1: at once), got {self.wait_for_peers!r}")
         if not self.max_weight_multiple >= 0:
             raise ConfigError(f"max_weight_multiple must be >= 0 (0: off), got {self.max_weight_multiple!r}")
 

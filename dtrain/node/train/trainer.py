@@ -133,6 +133,8 @@ class TrainingNode:
         self._wake = threading.Event()  # set by the pool when a hand-over is ready
         self.pool.on_ready(self._wake.set)
         self._rng = np.random.default_rng()
+        self._peers_arrived = config.wait_for_peers <= 1  # --wait-for-peers: local training may start
+        self._next_wait_log = 0.0
         self._thread = threading.Thread(target=self._run, name="dtrain-training", daemon=True)
 
     def _swarm_config(self, config: NodeConfig):
@@ -528,8 +530,25 @@ class TrainingNode:
     def _wants_local_batch(self) -> bool:
         if self.rounds is not None and self.rounds.due:
             return False
+        if not self._peers_arrived and not self._enough_peers():
+            return False
         limit = self.config.local_samples_per_update
         return limit <= 0 or self.gradient.local_samples < limit
+
+    def _enough_peers(self) -> bool:
+        """--wait-for-peers: have that many nodes announced themselves (each does once it has joined)? Once they
+        have, local training goes on whoever leaves."""
+        want = self.config.wait_for_peers
+        if self.presence.due():
+            self.presence.refresh(self.step, self.gradient.samples)
+        have = len(self.presence.nodes)
+        if have >= want:
+            self._peers_arrived = True
+            logger.info(f"{have} nodes in the swarm (--wait-for-peers {want}): training on local data starts")
+        elif time.monotonic() >= self._next_wait_log:
+            self._next_wait_log = time.monotonic() + 10.0
+            logger.info(f"Waiting for {want} nodes before training on local data ({have} so far)")
+        return self._peers_arrived
 
     def _local_batch(self) -> None:
         cfg = self.config
