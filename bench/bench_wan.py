@@ -142,7 +142,7 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=3)
     parser.add_argument("--rates", default="unlimited,50,20,10", help="Mbit/s per link, comma-separated")
     parser.add_argument("--modes", default="per-step,low-comm,sparse", help=f"comma-separated, of {sorted(MODES)}")
-    parser.add_argument("--topk-fraction", type=float, default=0.01, help="the sparse mode's top-k fraction")
+    parser.add_argument("--topk-fraction", type=float, default=0.1, help="the sparse mode's top-k fraction")
     parser.add_argument("--samples", type=int, default=3000, help="applied samples that end a run")
     parser.add_argument("--seconds", type=float, default=240.0, help="longest a run trains")
     parser.add_argument("--batch", type=int, default=8, help="--local-batch-size of every node")

@@ -131,7 +131,7 @@ class SwarmConfig:
                              "(dense all-reduce, then the parameters are averaged), or sparse (top-k with error "
                              "feedback, gathered: every node computes the same average)",
                              choices=("fp16", "fp32", "sparse"))
-    topk_fraction: float = option(0.01, "--topk-fraction", "low-comm, sparse codec: the fraction of each tensor's "
+    topk_fraction: float = option(0.1, "--topk-fraction", "low-comm, sparse codec: the fraction of each tensor's "
                                   "elements a round sends; the rest waits in the node's error feedback")
     link_mbit: float = option(0.0, "--link-mbit", "low-comm: the slowest link's rate, Mbit/s; the all-reduce "
                               "deadline grows to fit its bytes at this rate (0: --averaging-timeout as given)")

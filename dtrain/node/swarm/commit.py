@@ -85,6 +85,12 @@ class CommittingGradientAverager(KeyGatedServicer, GradientAverager):
         self.record_subkey = record_subkey
         super().__init__(*args, **kwargs)
 
+    def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None):
+        """Nothing to download. hivemind.Optimizer has a joiner download the gradient averager's buffers after the
+        parameters and optimizer state (a third more bytes for a per-step joiner, half more in low-comm mode), yet
+        the next round overwrites them and the node reloads .grad from its own gradient first."""
+        return None
+
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
         began = get_dht_time()
         publish_by, decide_by = commit_window(self._allreduce_timeout)

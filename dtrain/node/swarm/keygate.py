@@ -21,7 +21,7 @@ import secrets
 import time
 from collections import OrderedDict
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from google.protobuf import wrappers_pb2
 from hivemind.p2p import P2P, P2PContext, PeerID
@@ -109,6 +109,20 @@ class KeyGate:
         return ok
 
 
+def gate_handler(method: Callable[..., Any], gate: KeyGate, stream_output: bool) -> Callable[..., Any]:
+    """`method` (a hivemind protobuf handler: request, context) that first checks its caller."""
+    if stream_output:
+        async def call(request, context):
+            await gate.check(context)
+            async for item in method(request, context):
+                yield item
+    else:
+        async def call(request, context):
+            await gate.check(context)
+            return await method(request, context)
+    return call
+
+
 def gated(servicer: Any, gate: KeyGate, handlers) -> Any:
     """An object with `servicer`'s RPC handlers (hivemind RPCHandler records) that first check the caller."""
     class Gated:
@@ -116,17 +130,8 @@ def gated(servicer: Any, gate: KeyGate, handlers) -> Any:
 
     wrapper = Gated()
     for handler in handlers:
-        method = getattr(servicer, handler.method_name)
-        if handler.stream_output:
-            async def call(request, context, _method=method):
-                await gate.check(context)
-                async for item in _method(request, context):
-                    yield item
-        else:
-            async def call(request, context, _method=method):
-                await gate.check(context)
-                return await _method(request, context)
-        setattr(wrapper, handler.method_name, call)
+        setattr(wrapper, handler.method_name,
+                gate_handler(getattr(servicer, handler.method_name), gate, handler.stream_output))
     return wrapper
 
 

@@ -35,6 +35,7 @@ from dtrain.node.swarm.presence import presence_validator
 from dtrain.node.swarm.records import RecordOwner, identity_kwargs
 from dtrain.node.swarm.swarmkey import SwarmJoinError, SwarmKeyAuthorizer, keyed_run_id, load_swarm_key
 from dtrain.node.swarm.reachability import Reachability, ReachabilityService, decide
+from dtrain.node.swarm.service import NodeService
 from dtrain.node.config import SwarmConfig, TrainConfig
 
 logger = get_logger(__name__)
@@ -219,6 +220,9 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.skipped_rounds = 0  # rounds that failed with no gradient this peer could apply alone: no update
         self._round_samples = 0  # samples this peer brought to the round being run
         self._next_skip_log = 0.0
+        # called with .grad holding what an update is about to apply (averaged, or this peer's own)
+        self.before_update: Optional[Callable[[], None]] = None
+        self.on_state_loaded: Optional[Callable[[], None]] = None  # called after every download of the state
         super().__init__(**kwargs)
 
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
@@ -276,6 +280,17 @@ class SwarmOptimizer(hivemind.Optimizer):
         return began
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
+        self._load_round_gradients(maybe_step_control)
+        if self.before_update is not None:
+            self.before_update()
+
+    def load_state_from_peers(self, **kwargs):
+        super().load_state_from_peers(**kwargs)
+        if self.on_state_loaded is not None:
+            self.on_state_loaded()
+
+    def _load_round_gradients(self, maybe_step_control) -> None:
+        """.grad for the update: the round's average, or this peer's exact gradient (or NoSwarmRound)."""
         if maybe_step_control is None:
             self._no_round_alone("no other peer in the swarm's progress")
             self._round_clean = True  # "no other peers": this peer's gradient is the whole update
@@ -404,13 +419,13 @@ class Swarm:
                 **identity,
             )
         self.optimizer: Optional[SwarmOptimizer] = None
-        self.service: Optional[ReachabilityService] = None
+        self.service: Optional[NodeService] = None
         self._shut_down = threading.Event()
         try:
             if swarm_key:  # answer the challenges of peers' gated RPCs (node.swarm.keygate)
                 start_prover(self.dht, swarm_key)
-            if not client:  # a client-mode peer cannot be asked: nobody dials it
-                self.service = ReachabilityService(self.dht, swarm_key)
+            # the node's own RPCs; a client-mode peer is asked no dial-back: nobody can dial it
+            self.service = NodeService(self.dht, swarm_key) if client else ReachabilityService(self.dht, swarm_key)
             self.peer_id = str(self.dht.peer_id)
             if self.peer_id != self.owner.peer_id:  # records would name another peer than the one that wrote them
                 raise RuntimeError(f"p2pd runs as {self.peer_id}, not as the record key's peer {self.owner.peer_id}")

@@ -30,7 +30,8 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.utils.logging import get_logger
 from hivemind.utils.multiaddr import Multiaddr
 
-from dtrain.node.swarm.keygate import KeyGate, add_prover
+from dtrain.node.swarm.keygate import add_prover
+from dtrain.node.swarm.service import NodeService
 
 logger = get_logger(__name__)
 
@@ -215,36 +216,25 @@ def check_reachability(initial_peers: Sequence[str], host_maddrs: Sequence[str],
     return CheckResult("unchecked", 0, 0, 0, f"the check failed: {outcome!r}")
 
 
-class ReachabilityService:
+class ReachabilityService(NodeService):
     """Answers other nodes' dial-back requests (CHECK_HANDLER) on this node's libp2p host; dials from a probe host
-    of its own, started on the first request. Runs on a thread with its own event loop, like hivemind's DHT does
-    in its process."""
+    of its own, started on the first request."""
 
     def __init__(self, dht, swarm_key: Optional[bytes] = None):
-        # a client of the DHT's libp2p daemon of our own (not dht.replicate_p2p()'s shared one), so that shutdown
-        # can close it with its tasks
-        self._daemon_maddr = dht.run_coroutine(_daemon_listen_maddr)
-        self._loop = asyncio.new_event_loop()
-        self._p2p: Optional[P2P] = None
         self._probe: Optional[P2P] = None
         self._probe_lock: Optional[asyncio.Lock] = None
         self._dials: Optional[asyncio.Semaphore] = None
-        self._key = swarm_key
-        self._gate: Optional[KeyGate] = None
-        self._thread = threading.Thread(target=self._loop.run_forever, name="dtrain-reachability", daemon=True)
-        self._thread.start()
+        super().__init__(dht, swarm_key, name="dtrain-p2p")
         try:
-            asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(START_TIMEOUT_S)
+            self.run(self._make_locks(), START_TIMEOUT_S)
+            self.add_handler(CHECK_HANDLER, self._handle, wrappers_pb2.StringValue)
         except BaseException:
             self.shutdown()
             raise
 
-    async def _serve(self) -> None:
+    async def _make_locks(self) -> None:
         self._probe_lock = asyncio.Lock()
         self._dials = asyncio.Semaphore(4)  # dial-backs at once: each holds a probe connection for seconds
-        self._p2p = await P2P.replicate(self._daemon_maddr)
-        self._gate = KeyGate(self._key, self._p2p) if self._key else None
-        await self._p2p.add_protobuf_handler(CHECK_HANDLER, self._handle, wrappers_pb2.StringValue)
 
     async def _get_probe(self) -> P2P:
         async with self._probe_lock:
@@ -254,8 +244,6 @@ class ReachabilityService:
             return self._probe
 
     async def _handle(self, request: wrappers_pb2.StringValue, context: P2PContext) -> wrappers_pb2.BoolValue:
-        if self._gate is not None:
-            await self._gate.check(context)  # KeyRefused: the asker gets an error, not an answer
         try:
             peer_id, maddrs = decode_request(request.value)
         except ReachabilityError as e:
@@ -270,29 +258,10 @@ class ReachabilityService:
                     f"{[str(m) for m in maddrs]}")
         return wrappers_pb2.BoolValue(value=ok)
 
-    def shutdown(self) -> None:
-        """Stop the probe's daemon and close the client with its tasks, on the loop that runs them: a P2P client
-        collected later, away from its loop, fails in its finalizer."""
-        async def stop():
-            for p2p in (self._probe, self._p2p):
-                if p2p is not None:
-                    await p2p.shutdown()
-            await asyncio.sleep(0.05)  # the cancelled reader and writer tasks finish
-
-        if self._loop.is_running():
-            try:
-                asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10.0)
-            except Exception as e:
-                logger.debug(f"Reachability service shutdown: {e!r}")
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(5.0)
-        if not self._thread.is_alive():
-            self._loop.close()
-
-
-async def _daemon_listen_maddr(dht, node) -> Multiaddr:
-    """Run inside the DHT's process (DHT.run_coroutine): where its libp2p daemon takes clients."""
-    return node.p2p.daemon_listen_maddr
+    async def _close(self) -> None:
+        if self._probe is not None:
+            await self._probe.shutdown()
+        await super()._close()
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from dtrain.node.lowcomm import codec as lowcomm_codec
 from dtrain.node.lowcomm.deadline import round_deadline
 from dtrain.node.lowcomm.outer import OuterNesterov
 from dtrain.node.lowcomm.rounds import InnerRounds
+from dtrain.node.lowcomm.roundlog import CatchUp
 from dtrain.node.train.gradient import PendingGradient
 from dtrain.node.train.ledger import ContributorLedger, ScoringConfig
 from dtrain.node.hfdir import load_params
@@ -116,6 +117,7 @@ class TrainingNode:
         self.swarm_config = self._swarm_config(config)
         self.low_comm = config.swarm.sync == "low-comm"
         self.rounds: Optional[InnerRounds] = None  # low-comm: this node's inner updates since the last outer round
+        self.catchup: Optional[CatchUp] = None  # sparse codec: the round log, and catching up by replaying it
         self._round_due = False  # low-comm: what the tracker asks (node.swarm.optimizer.PacedTracker.round_due)
         self.swarm: Optional[Swarm] = None
         self.presence: Optional[Presence] = None
@@ -301,6 +303,8 @@ class TrainingNode:
             fraction = cfg.swarm.topk_fraction if cfg.swarm.wire_codec == "sparse" else None
             self.rounds = InnerRounds(list(self.model.parameters()), inner, cfg.swarm.inner_steps, fraction)
             opt.tracker.round_due = lambda: self._round_due
+            if fraction is not None:  # every node computes the same outer step: a node behind may replay rounds
+                self.catchup = CatchUp(swarm, self.agreement, self.model, fraction)
         snap = make_snapshot(self.model, opt.local_epoch)
         if (checked and snap.updates > 0) or (founder and snap.updates == 0):
             # a founder's epoch 0 is the swarm's start, which a joiner cannot rebuild when it was imported
@@ -473,6 +477,8 @@ class TrainingNode:
             return
         outcome = opt.last_round
         if outcome is not round_before and outcome.epoch == opt.local_epoch:
+            if self.catchup is not None:
+                self.catchup.record(outcome)
             self._after_update(outcome, time.monotonic() - started)
             took_s = self._last_update_s = time.monotonic() - started
             for callback in self._update_listeners:
@@ -536,12 +542,12 @@ class TrainingNode:
         return limit <= 0 or self.gradient.local_samples < limit
 
     def _enough_peers(self) -> bool:
-        """--wait-for-peers: have that many nodes announced themselves (each does once it has joined)? Once they
-        have, local training goes on whoever leaves."""
+        """--wait-for-peers: have that many nodes joined? A node serves step 1 or later once it has; a joiner still
+        downloading announces step 0. Once they have, local training goes on whoever leaves."""
         want = self.config.wait_for_peers
         if self.presence.due():
             self.presence.refresh(self.step, self.gradient.samples)
-        have = len(self.presence.nodes)
+        have = sum(1 for info in self.presence.nodes.values() if info.step >= 1)
         if have >= want:
             self._peers_arrived = True
             logger.info(f"{have} nodes in the swarm (--wait-for-peers {want}): training on local data starts")
@@ -640,6 +646,9 @@ class TrainingNode:
             return
         if self.rounds is not None:
             self.rounds.enter_outer()  # the pseudo-gradient aside: the download replaces the parameters
+        if self.catchup is not None and not self._unverified and self.catchup.replay():
+            self._after_catch_up(Download.CHECKED)  # the replayed bytes are the ones the peers publish
+            return
         self._after_catch_up(self.agreement.load_state_from_peers())
 
     def _after_catch_up(self, download: Download) -> None:

@@ -1,0 +1,271 @@
+"""The sparse swarm's last outer rounds, kept so that a node a few rounds behind replays them instead of downloading
+the whole state (docs/low-communication.md, "Catching up over a slow link").
+
+With `--wire-codec sparse` a node's outer update is a function of the round's averaged pseudo-gradient alone: the
+same average, the same outer Nesterov step, the same bits on every node (node.lowcomm.gather). So a node that holds
+the state of epoch e (parameters and outer momentum) and the averages of rounds e+1..E computes the state of epoch
+E exactly, for the averages' non-zero elements (8 bytes each, at most the group's size x `--topk-fraction` of the
+model per round) instead of the parameters and the momentum (8 bytes per parameter); it replays only while that
+is the smaller. Every node keeps the averages
+of its last MAX_ROUNDS clean rounds and serves them (LOG_HANDLER); a node behind asks a peer that serves the
+swarm's epoch, applies them, and serves the result only if its digest is what the peers publish for that epoch.
+Anything else (a gap in the log, a peer that does not answer, another digest) falls back to the full download.
+
+Wire format of an answer (little-endian): for each round, u64 epoch, u32 byte count, then the average as a sparse
+payload (node.lowcomm.sparse); rounds in increasing epoch order, each one epoch after the one before.
+"""
+from __future__ import annotations
+
+import asyncio
+import struct
+import threading
+import time
+from collections import OrderedDict
+from typing import AsyncIterator, NamedTuple, Optional, Sequence
+
+import torch
+from google.protobuf import wrappers_pb2
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.utils.logging import get_logger
+
+from dtrain.node.lowcomm import sparse
+from dtrain.node.snapshot import params_digest
+from dtrain.node.swarm.agreement import reference_of
+
+logger = get_logger(__name__)
+
+LOG_HANDLER = "dtrain.lowcomm.rounds"
+MAX_ROUNDS = 16  # rounds a node keeps, and the most a node behind replays
+MAX_GROUP = 16  # members of a round whose average a log entry may carry (a larger group's is refused: download)
+CHUNK_BYTES = 1 << 20
+MAX_DONORS = 3  # peers asked for their log before the node downloads the state instead
+FETCH_TIMEOUT_S = 120.0  # one answer: a few rounds' averages, at a home uplink's rate
+REQUEST = struct.Struct("<QI")  # the last epoch the asker holds, how many rounds it wants after it
+FRAME = struct.Struct("<QI")  # a round's epoch, its payload's bytes
+
+
+class BadRoundLog(ValueError):
+    """An answer that is not the rounds asked for, in this format, for a model of this size."""
+
+
+def entry_limit(sizes: Sequence[int], fraction: float) -> int:
+    """Elements one round's average may carry: MAX_GROUP members' payloads, at most the whole model."""
+    return min(sum(sizes), MAX_GROUP * sparse.max_kept(sizes, fraction))
+
+
+class RoundLog:
+    """The averages of this node's last clean outer rounds, by the epoch each one made (thread-safe)."""
+
+    def __init__(self, max_rounds: int = MAX_ROUNDS):
+        self._rounds: OrderedDict[int, bytes] = OrderedDict()
+        self._max = max_rounds
+        self._lock = threading.Lock()
+
+    def add(self, epoch: int, average: bytes) -> None:
+        with self._lock:
+            if self._rounds and epoch <= next(reversed(self._rounds)):
+                self._rounds.clear()  # the node went back (a download of an older epoch): the log starts again
+            self._rounds[epoch] = average
+            while len(self._rounds) > self._max:
+                self._rounds.popitem(last=False)
+
+    def after(self, epoch: int, count: int) -> list[tuple[int, bytes]]:
+        """Rounds epoch+1, epoch+2, ... up to `count` of them, as far as the log holds them without a gap."""
+        out = []
+        with self._lock:
+            for e in range(epoch + 1, epoch + 1 + min(count, self._max)):
+                if e not in self._rounds:
+                    break
+                out.append((e, self._rounds[e]))
+        return out
+
+    def clear(self) -> None:
+        with self._lock:
+            self._rounds.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._rounds)
+
+
+def frame(rounds: Sequence[tuple[int, bytes]]) -> bytes:
+    return b"".join(FRAME.pack(epoch, len(data)) + data for epoch, data in rounds)
+
+
+class Round(NamedTuple):
+    epoch: int
+    indices: torch.Tensor  # int64
+    values: torch.Tensor  # float32
+    payload: bytes  # as it came, to be kept and served again
+
+
+def unframe(data: bytes, after: int, count: int, total: int, limit: int) -> list[Round]:
+    """Each round of an answer to (after, count), every payload checked."""
+    rounds, offset = [], 0
+    while offset < len(data):
+        if len(data) - offset < FRAME.size:
+            raise BadRoundLog(f"a truncated round header at byte {offset}")
+        epoch, size = FRAME.unpack_from(data, offset)
+        offset += FRAME.size
+        if epoch != after + 1 + len(rounds) or len(rounds) >= count:
+            raise BadRoundLog(f"round {epoch} where {after + 1 + len(rounds)} (of {count} after {after}) was due")
+        if size > len(data) - offset:
+            raise BadRoundLog(f"round {epoch} claims {size} bytes, {len(data) - offset} left")
+        raw = data[offset:offset + size]
+        try:
+            idx, values = sparse.decode(raw, total, limit)
+        except sparse.BadPayload as e:
+            raise BadRoundLog(f"round {epoch}: {e}") from None
+        rounds.append(Round(epoch, idx, values, raw))
+        offset += size
+    return rounds
+
+
+def max_answer_bytes(count: int, limit: int) -> int:
+    return count * (FRAME.size + sparse.HEADER.size + sparse.BYTES_PER_KEPT * limit)
+
+
+def handler(log: RoundLog):
+    """The LOG_HANDLER protobuf handler serving `log` (streamed in chunks)."""
+    async def serve(request: wrappers_pb2.BytesValue, context: P2PContext) -> AsyncIterator[wrappers_pb2.BytesValue]:
+        if len(request.value) != REQUEST.size:
+            return
+        after, count = REQUEST.unpack(request.value)
+        data = frame(log.after(after, count))
+        for i in range(0, len(data), CHUNK_BYTES):
+            yield wrappers_pb2.BytesValue(value=data[i:i + CHUNK_BYTES])
+    return serve
+
+
+async def fetch(p2p: P2P, peer: PeerID, after: int, count: int, max_bytes: int) -> bytes:
+    """The raw answer of `peer` to (after, count); BadRoundLog once it streams more than `max_bytes`."""
+    request = wrappers_pb2.BytesValue(value=REQUEST.pack(after, count))
+    stream = await p2p.iterate_protobuf_handler(peer, LOG_HANDLER, request, wrappers_pb2.BytesValue)
+    chunks, size = [], 0
+    async for message in stream:
+        size += len(message.value)
+        if size > max_bytes:
+            raise BadRoundLog(f"{peer} sent more than {max_bytes} bytes for {count} rounds")
+        chunks.append(message.value)
+    return b"".join(chunks)
+
+
+async def fetch_within(p2p: P2P, peer: PeerID, after: int, count: int, max_bytes: int, timeout_s: float) -> bytes:
+    return await asyncio.wait_for(fetch(p2p, peer, after, count, max_bytes), timeout_s)
+
+
+@torch.no_grad()
+def replay(params: Sequence[torch.Tensor], outer: torch.optim.Optimizer, rounds: Sequence[Round]) -> None:
+    """Apply each round's average to `params` with the outer optimizer, as the swarm's update did: the average in
+    `.grad`, one outer (never passthrough) step."""
+    total = sum(p.numel() for p in params)
+    passthrough = getattr(outer, "passthrough", False)
+    outer.passthrough = False
+    try:
+        for r in rounds:
+            flat = torch.zeros(total, dtype=torch.float32)
+            flat[r.indices] = r.values
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+            outer.step()
+    finally:
+        outer.passthrough = passthrough
+
+
+class CatchUp:
+    """A sparse node's round log, filled after each of its outer updates (averaged, or its own after a failed
+    round) and served to its peers, and its own catch-up by replay. A download of the state empties the log: the
+    updates before it were this node's, not necessarily the swarm's. `swarm` is the node's
+    node.swarm.optimizer.Swarm, `agreement` its node.swarm.agreement.Agreement."""
+
+    def __init__(self, swarm, agreement, model: torch.nn.Module, fraction: float):
+        self.log = RoundLog()
+        self._swarm, self._agreement, self._model = swarm, agreement, model
+        self._params = list(model.parameters())
+        self._total = sum(p.numel() for p in self._params)
+        self._limit = entry_limit([p.numel() for p in self._params], fraction)
+        self._fraction = fraction
+        self._pending: Optional[bytes] = None
+        self.replayed_rounds = 0
+        swarm.service.add_handler(LOG_HANDLER, handler(self.log), wrappers_pb2.BytesValue, stream_output=True)
+        swarm.optimizer.before_update = self._stash
+        swarm.optimizer.on_state_loaded = self.forget
+
+    def _stash(self) -> None:
+        """What the outer step is about to apply, read from .grad (not the pseudo-gradient a node alone applies
+        as it is: its inner updates are the spec's updates, which no average describes)."""
+        opt = self._swarm.optimizer
+        if getattr(opt.state_averager.optimizer, "passthrough", False):
+            self._pending = None
+            return
+        self._pending = sparse.encode(torch.cat([p.grad.detach().reshape(-1) for p in self._params]))
+
+    def record(self, outcome) -> None:
+        """After an outer update: keep what it applied under the epoch it made."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self.log.add(outcome.epoch, pending)
+
+    def forget(self) -> None:
+        self._pending = None
+        self.log.clear()
+
+    def replay(self) -> bool:
+        """Bring the parameters (at the anchor: the served bytes of the node's epoch) and the outer momentum to the
+        swarm's epoch from a peer's log; True when the result is the bytes the peers publish for that epoch. False
+        leaves the parameters anywhere: the caller downloads the state."""
+        opt = self._swarm.optimizer
+        have, want = opt.local_epoch, self._agreement.saw(opt.tracker.global_epoch)
+        count = want - have
+        if not 0 < count <= MAX_ROUNDS:
+            return False
+        peers = max(2, opt.tracker.global_progress.num_peers)
+        if count * min(1.0, peers * self._fraction) >= 1.0:  # the averages would outweigh the state (8 B/param)
+            logger.info(f"{count} rounds behind among {peers} peers at top-{self._fraction:g}: downloading the state "
+                        f"costs less than replaying them")
+            return False
+        records = self._agreement.records(want)
+        found = reference_of(records)
+        if found is None:
+            return False
+        digest = found[1].digest
+        donors = [peer for peer, r in records.items()
+                  if r.digest == digest and not r.client and peer != self._swarm.peer_id][:MAX_DONORS]
+        for donor in donors:
+            began = time.monotonic()
+            try:
+                data = self._swarm.service.run(fetch_within(
+                    self._swarm.service.p2p, PeerID.from_base58(donor), have, count,
+                    max_answer_bytes(count, self._limit), FETCH_TIMEOUT_S), FETCH_TIMEOUT_S + 5.0)
+                rounds = unframe(data, have, count, self._total, self._limit)
+            except Exception as e:  # no answer, a timeout, a malformed log: the next donor, then the download
+                logger.info(f"No round log from {donor}: {e!r}")
+                continue
+            if len(rounds) != count:
+                logger.info(f"{donor} holds {len(rounds)} of the {count} rounds after epoch {have}")
+                continue
+            replay(self._params, opt.state_averager.optimizer, rounds)
+            if params_digest(self._model) != digest:
+                logger.warning(f"Replaying rounds {have + 1}..{want} did not give the bytes the swarm serves for "
+                               f"epoch {want}; downloading the state")
+                return False
+            self._after_replay(want)
+            for r in rounds:  # verified by the digest: this node serves them too from now on
+                self.log.add(r.epoch, r.payload)
+            self.replayed_rounds += count
+            logger.info(f"Caught up from epoch {have} to {want} by replaying {count} rounds from {donor}: "
+                        f"{len(data) / 1e6:.2f} MB in {time.monotonic() - began:.1f}s instead of the whole state")
+            return True
+        return False
+
+    def _after_replay(self, epoch: int) -> None:
+        """What hivemind does after a download (Optimizer.load_state_from_peers)."""
+        opt = self._swarm.optimizer
+        opt.state_averager.local_epoch = epoch
+        opt.tracker.report_local_progress(local_epoch=epoch, samples_accumulated=0)
+        opt.grad_averager.reset_accumulated_grads_()
+        if not opt.client_mode:
+            opt.state_averager.state_sharing_priority = epoch
+            opt.grad_averager.state_sharing_priority = epoch

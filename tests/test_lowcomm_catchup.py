@@ -1,0 +1,71 @@
+"""A node that joins a sparse low-communication swarm over a slow link catches up by replaying rounds
+(node.lowcomm.roundlog): its state download takes longer than the swarm's rounds, so it ends rounds behind; it then
+fetches only those rounds' averages from a peer, computes the swarm's state of the current epoch exactly, and trains
+with the others, every node serving the same bytes for the same step.
+
+A and B share a segment with unlimited links; C's link is shaped to RATE_MBIT both ways (tests.netns, tbf).
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests import netns
+from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, print_logs, wait_until
+from tests.swarmcheck import ByteWatch
+from tests.texts import shakespeare
+
+REASON = netns.unavailable_reason()
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(REASON is not None,
+                                                    reason=f"network namespaces unavailable: {REASON}")]
+
+P2P_PORT = 4100
+RATE_MBIT = 4  # C's state (parameters and outer momentum, about 13 MB) takes 25 s and more; a round, a few seconds
+INNER = 4
+REPLAYED = re.compile(r"Caught up from epoch (\d+) to (\d+) by replaying (\d+) rounds")
+
+
+@pytest.mark.timeout(420)
+def test_a_joiner_over_a_slow_link_catches_up_by_replaying_rounds(tmp_path):
+    text = tmp_path / "train.txt"
+    text.write_text(shakespeare(30_000))
+    args = ["--model-config", str(TINY_CONFIG), "--train-data", str(text), "--local-batch-size", "2",
+            "--local-seq-len", "32", "--sync", "low-comm", "--inner-steps", str(INNER), "--wire-codec", "sparse",
+            "--topk-fraction", "0.01"]
+    run_id, nodes = new_run_id(), []
+    with netns.Net() as net:
+        hosts = {"A": net.host("a"), "B": net.host("b"), "C": net.host("c", rate_mbit=RATE_MBIT)}
+
+        def start(name, peers=()):
+            node = NodeProcess(name, args, run_id, initial_peers=peers, netns=hosts[name],
+                               host_maddrs=f"/ip4/0.0.0.0/tcp/{P2P_PORT}")
+            nodes.append(node)
+            return node
+
+        try:
+            a = start("A")
+            a.wait_ready()
+            peers = [m for m in a.status()["maddrs"] if m.startswith(f"/ip4/{hosts['A'].ip}/")]
+            start("B", peers).wait_ready()
+            wait_until(lambda: min(n.status()["updates"] for n in nodes) >= 2, 120, "two rounds of A and B", 0.5)
+            c = start("C", peers)
+            c.wait_ready(240)
+            wait_until(lambda: REPLAYED.search(c.output()), 180, "C catching up by replay", 1.0)
+            behind = [tuple(map(int, m.groups())) for m in REPLAYED.finditer(c.output())]
+            assert all(to - have == count and count >= 1 for have, to, count in behind), behind
+            with ByteWatch(nodes, interval_s=0.5) as watch:
+                start_step = max(n.status()["step"] for n in nodes)
+                wait_until(lambda: min(n.status()["step"] for n in nodes) >= start_step + 2, 150,
+                           "two rounds with C", 1.0)
+            assert not watch.conflicts, watch.conflicts[:5]
+            assert "Averaged gradients with 3 peers" in c.output()
+            for node in nodes:  # the sparse rounds gave every node the same bits: nothing to repair
+                assert "parameters differ" not in node.output()
+            assert "did not give the bytes the swarm serves" not in c.output()
+        except BaseException:
+            print_logs(nodes)
+            raise
+        finally:
+            for node in nodes:
+                node.kill()
