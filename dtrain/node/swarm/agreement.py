@@ -187,7 +187,10 @@ class Agreement:
                 logger.info(f"No state of the swarm's epoch {swarm_epoch} came (no peer shared one, "
                             f"or it was not the swarm's start); loading again")
                 continue
-            deadline = time.monotonic() + self.wait_s  # the peers may still be finishing this update
+            # the peers may still be finishing this update; an older one's records are gone (peers keep their
+            # last KEEP_EPOCHS alive), and waiting for them only leaves a slow joiner further behind
+            recent = epoch > self.saw(opt.tracker.global_epoch) - KEEP_EPOCHS
+            deadline = time.monotonic() + (self.wait_s if recent else 0.0)
             while not (published := self._others(epoch)) and time.monotonic() < deadline:
                 if self._stop.wait(0.1):
                     return Download.REFUSED
