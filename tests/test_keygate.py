@@ -19,7 +19,7 @@ from hivemind.utils.streaming import combine_from_streaming
 
 from dtrain.node.swarm import reachability as r
 from dtrain.node.swarm.keygate import NONCE_BYTES, add_prover, proof, start_prover
-from dtrain.node.swarm.optimizer import GatedStateAverager
+from dtrain.node.swarm.optimizer import SwarmStateAverager
 from dtrain.node.swarm.records import RecordOwner
 from dtrain.node.swarm.swarmkey import SwarmKeyAuthorizer
 
@@ -49,7 +49,7 @@ def start_node(key: Optional[bytes], initial_peers=()):
     if key:
         start_prover(dht, key)
     params = [torch.nn.Parameter(torch.arange(10, dtype=torch.float32))]
-    averager = GatedStateAverager(swarm_key=key, dht=dht, prefix=PREFIX, optimizer=torch.optim.SGD, params=params,
+    averager = SwarmStateAverager(swarm_key=key, dht=dht, prefix=PREFIX, optimizer=torch.optim.SGD, params=params,
                                   start=True)
     return dht, averager
 
@@ -61,7 +61,7 @@ async def _download_as_stranger(target: hivemind.DHT, prover_key: Optional[bytes
     try:
         if prover_key:
             await add_prover(stranger, prover_key)
-        stub = GatedStateAverager.get_stub(stranger, target.peer_id, namespace=PREFIX)
+        stub = SwarmStateAverager.get_stub(stranger, target.peer_id, namespace=PREFIX)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         tensors: list[list] = []
         async for message in stream:

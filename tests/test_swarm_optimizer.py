@@ -154,3 +154,20 @@ def test_a_client_mode_peer_whose_round_fails_makes_no_update(single_peer):
         assert opt_a.local_epoch == 0
     finally:
         peer_c.shutdown()
+
+
+def test_a_state_handed_to_a_download_is_one_moments_copy(single_peer):
+    """What the state averager streams to a downloading peer does not change when the node trains on during the
+    download (hivemind would stream views of the live tensors, serialized when the stream reaches each one)."""
+    model, _, opt, _ = single_peer
+    metadata, tensors, _ = opt.state_averager.get_current_state()
+    params = list(model.parameters())
+    moments = [v for state in opt.state_averager.optimizer.state.values() for v in state.values()
+               if torch.is_tensor(v) and v.dim() > 0]
+    assert len(tensors) >= len(params) and moments
+    before = [t.clone() for t in tensors]
+    with torch.no_grad():
+        for t in params + moments:
+            t.add_(1.0)
+    assert all(torch.equal(t, b) for t, b in zip(tensors, before))
+    assert not torch.equal(tensors[0], params[0])  # the node's own tensors did move

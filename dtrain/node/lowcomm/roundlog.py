@@ -226,11 +226,16 @@ class CatchUp:
             logger.info(f"{count} rounds behind among {peers} peers at top-{self._fraction:g}: downloading the state "
                         f"costs less than replaying them")
             return False
-        records = self._agreement.records(want)
-        found = reference_of(records)
+        # the swarm's newest epoch may still be in the making (no record yet): then the one before, if it is ahead
+        for want in (want, want - 1):
+            records = self._agreement.records(want)
+            found = reference_of(records)
+            if found is not None or want - 1 <= have:
+                break
         if found is None:
+            logger.info(f"No peer publishes its bytes for epoch {want} yet: nothing to check a replay against")
             return False
-        digest = found[1].digest
+        count, digest = want - have, found[1].digest
         donors = [peer for peer, r in records.items()
                   if r.digest == digest and not r.client and peer != self._swarm.peer_id][:MAX_DONORS]
         for donor in donors:

@@ -186,9 +186,17 @@ class PacedTracker(ProgressTracker):
         return get_dht_time() if self.ready_to_update_epoch else float("inf")
 
 
-class GatedStateAverager(KeyGatedServicer, TrainingStateAverager):
+class SwarmStateAverager(KeyGatedServicer, TrainingStateAverager):
     """hivemind's state averager (parameter and state averaging, state downloads) whose RPCs, in a closed swarm,
-    answer only peers that prove the key (node.swarm.keygate)."""
+    answer only peers that prove the key (node.swarm.keygate), and whose downloads are one moment's state."""
+
+    def get_current_state(self):
+        """hivemind's, with every tensor copied now. hivemind hands the downloading peer's stream views of the live
+        parameters and optimizer state and serializes each when the stream reaches it; over a home uplink that is
+        tens of seconds later, after the node's next updates: a torn state (parameters of one moment, momentum of
+        another) that no digest check of the parameters can catch, and a joiner that never catches up."""
+        metadata, tensors, infos = super().get_current_state()
+        return metadata, [t.clone() for t in tensors], infos
 
 
 class SwarmOptimizer(hivemind.Optimizer):
@@ -227,7 +235,7 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
         # hivemind's own, with the state averager's class gated by the swarm key
-        return GatedStateAverager(
+        return SwarmStateAverager(
             swarm_key=self._swarm_key, dht=self.dht, prefix=f"{self.run_id}_state_averager",
             min_matchmaking_time=self.matchmaking_time, allreduce_timeout=self.allreduce_timeout,
             shutdown_timeout=self.shutdown_timeout, offload_optimizer=self.offload_optimizer,
