@@ -1,7 +1,7 @@
 """A node that joins a sparse low-communication swarm over a slow link catches up by replaying rounds
 (node.lowcomm.roundlog): its state download takes longer than the swarm's rounds, so it ends rounds behind; it then
-fetches only those rounds' averages from a peer, computes the swarm's state of the current epoch exactly, and trains
-with the others, every node serving the same bytes for the same step.
+fetches only what those rounds applied from a peer, computes the swarm's state of the current epoch exactly, and
+trains with the others, every node serving the same bytes for the same step.
 
 A and B share a segment with unlimited links; C's link is shaped to RATE_MBIT both ways (tests.netns, tbf).
 """
@@ -55,13 +55,15 @@ def test_a_joiner_over_a_slow_link_catches_up_by_replaying_rounds(tmp_path):
             behind = [tuple(map(int, m.groups())) for m in REPLAYED.finditer(c.output())]
             assert all(to - have == count and count >= 1 for have, to, count in behind), behind
             with ByteWatch(nodes, interval_s=0.5) as watch:
+                # caught up, C trains its inner steps while A and B may begin the next round without it (the
+                # swarm waits for no one); it joins one once its steps are done in time
+                wait_until(lambda: "Averaged gradients with 3 peers" in c.output(), 150, "a round with C", 1.0)
                 start_step = max(n.status()["step"] for n in nodes)
                 wait_until(lambda: min(n.status()["step"] for n in nodes) >= start_step + 2, 150,
-                           "two rounds with C", 1.0)
+                           "two more rounds", 1.0)
             assert not watch.conflicts, watch.conflicts[:5]
-            assert "Averaged gradients with 3 peers" in c.output()
-            for node in nodes:  # the sparse rounds gave every node the same bits: nothing to repair
-                assert "parameters differ" not in node.output()
+            # every replay gave the bytes the peers publish (a round that failed while C joined, each node updating
+            # alone, is the agreement's to repair, as in any swarm)
             assert "did not give the bytes the swarm serves" not in c.output()
         except BaseException:
             print_logs(nodes)

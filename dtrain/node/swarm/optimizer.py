@@ -231,6 +231,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         # called with .grad holding what an update is about to apply (averaged, or this peer's own)
         self.before_update: Optional[Callable[[], None]] = None
         self.on_state_loaded: Optional[Callable[[], None]] = None  # called after every download of the state
+        self.node_catches_up = False  # the node brings a peer behind the swarm up to date itself (never step())
         super().__init__(**kwargs)
 
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
@@ -291,6 +292,11 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._load_round_gradients(maybe_step_control)
         if self.before_update is not None:
             self.before_update()
+
+    def _should_load_state_from_peers(self) -> bool:
+        # hivemind downloads the whole state inside step() when this peer is behind; a node that replays the
+        # rounds it missed (node.lowcomm.roundlog) would then download what it just replayed
+        return False if self.node_catches_up else super()._should_load_state_from_peers()
 
     def load_state_from_peers(self, **kwargs):
         super().load_state_from_peers(**kwargs)
