@@ -8,6 +8,7 @@ test marked with a tier of its own, fails collection with a message that names i
 """
 from __future__ import annotations
 
+import dtrain  # noqa: F401  (first: it keeps numpy's OpenBLAS single-threaded, before anything imports numpy)
 import pytest
 
 TIERS = ("unit", "http", "browser", "swarm", "netns", "gpu", "install")
