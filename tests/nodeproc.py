@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import re
@@ -252,6 +253,20 @@ def print_logs(nodes) -> None:
     time.sleep(1.0)
     for node in nodes:
         print(f"===== node {node.name} =====\n{node.output()}")
+
+
+@contextlib.contextmanager
+def shown_on_failure(nodes: list):
+    """Kill every node in `nodes` (a list the body may still append to) when the body ends; on a failure, print
+    their logs first (print_logs)."""
+    try:
+        yield nodes
+    except BaseException:
+        print_logs(nodes)
+        raise
+    finally:
+        for node in nodes:
+            node.kill()
 
 
 def _is_python(pid: int) -> bool:

@@ -12,7 +12,7 @@ import re
 import pytest
 
 from tests import netns
-from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, print_logs, wait_until
+from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, shown_on_failure, wait_until
 from tests.swarmcheck import ByteWatch
 from tests.texts import shakespeare
 
@@ -43,7 +43,7 @@ def test_a_joiner_over_a_slow_link_catches_up_by_replaying_rounds(tmp_path):
             nodes.append(node)
             return node
 
-        try:
+        with shown_on_failure(nodes):
             a = start("A")
             a.wait_ready()
             peers = [m for m in a.status()["maddrs"] if m.startswith(f"/ip4/{hosts['A'].ip}/")]
@@ -65,9 +65,3 @@ def test_a_joiner_over_a_slow_link_catches_up_by_replaying_rounds(tmp_path):
             # every replay gave the bytes the peers publish (a round that failed while C joined, each node updating
             # alone, is the agreement's to repair, as in any swarm)
             assert "did not give the bytes the swarm serves" not in c.output()
-        except BaseException:
-            print_logs(nodes)
-            raise
-        finally:
-            for node in nodes:
-                node.kill()

@@ -24,12 +24,12 @@ def test_a_peer_answers_with_its_log_over_libp2p_and_a_long_answer_is_cut_off():
         try:
             await server.add_protobuf_handler(roundlog.LOG_HANDLER, roundlog.handler(log),
                                               roundlog.wrappers_pb2.BytesValue, stream_output=True)
-            got = await roundlog.fetch_within(client, server.peer_id, 4, 3, 1 << 20, 30.0)
+            got = await roundlog.fetch(client, server.peer_id, 4, 3, 1 << 20, 30.0)
             assert got == roundlog.frame(log.after(4, 3))
-            big = await roundlog.fetch_within(client, server.peer_id, 7, 1, 1 << 21, 30.0)  # several chunks
+            big = await roundlog.fetch(client, server.peer_id, 7, 1, 1 << 21, 30.0)  # several chunks
             assert big == roundlog.frame(log.after(7, 1))
             with pytest.raises(roundlog.BadRoundLog):
-                await roundlog.fetch_within(client, server.peer_id, 7, 1, 1 << 20, 30.0)
+                await roundlog.fetch(client, server.peer_id, 7, 1, 1 << 20, 30.0)
         finally:
             await client.shutdown()
             await server.shutdown()

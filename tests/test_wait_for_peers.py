@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, print_logs, wait_until
+from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, shown_on_failure, wait_until
 from tests.texts import shakespeare
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
@@ -20,7 +20,7 @@ def test_a_founder_waits_for_its_peer_then_both_train_from_the_first_state(tmp_p
     args = ["--model-config", str(TINY_CONFIG), "--train-data", str(text), "--local-batch-size", "2",
             "--local-seq-len", "32", "--wait-for-peers", "2"]
     run_id, nodes = new_run_id(), []
-    try:
+    with shown_on_failure(nodes):
         nodes.append(NodeProcess("A", args, run_id))
         maddrs = nodes[0].wait_ready()
         time.sleep(ALONE_S)
@@ -35,9 +35,3 @@ def test_a_founder_waits_for_its_peer_then_both_train_from_the_first_state(tmp_p
         for node in nodes:
             assert "2 nodes in the swarm (--wait-for-peers 2): training on local data starts" in node.output()
             assert node.status()["applied_samples"] > 0
-    except BaseException:
-        print_logs(nodes)
-        raise
-    finally:
-        for node in nodes:
-            node.kill()

@@ -137,38 +137,37 @@ def handler(log: RoundLog):
     return serve
 
 
-async def fetch(p2p: P2P, peer: PeerID, after: int, count: int, max_bytes: int) -> bytes:
-    """The raw answer of `peer` to (after, count); BadRoundLog once it streams more than `max_bytes`."""
-    request = wrappers_pb2.BytesValue(value=REQUEST.pack(after, count))
-    stream = await p2p.iterate_protobuf_handler(peer, LOG_HANDLER, request, wrappers_pb2.BytesValue)
-    chunks, size = [], 0
-    async for message in stream:
-        size += len(message.value)
-        if size > max_bytes:
-            raise BadRoundLog(f"{peer} sent more than {max_bytes} bytes for {count} rounds")
-        chunks.append(message.value)
-    return b"".join(chunks)
+async def fetch(p2p: P2P, peer: PeerID, after: int, count: int, max_bytes: int, timeout_s: float) -> bytes:
+    """The raw answer of `peer` to (after, count) within `timeout_s`; BadRoundLog once it streams more than
+    `max_bytes`."""
+    async def receive() -> bytes:
+        request = wrappers_pb2.BytesValue(value=REQUEST.pack(after, count))
+        stream = await p2p.iterate_protobuf_handler(peer, LOG_HANDLER, request, wrappers_pb2.BytesValue)
+        chunks, size = [], 0
+        async for message in stream:
+            size += len(message.value)
+            if size > max_bytes:
+                raise BadRoundLog(f"{peer} sent more than {max_bytes} bytes for {count} rounds")
+            chunks.append(message.value)
+        return b"".join(chunks)
 
-
-async def fetch_within(p2p: P2P, peer: PeerID, after: int, count: int, max_bytes: int, timeout_s: float) -> bytes:
-    return await asyncio.wait_for(fetch(p2p, peer, after, count, max_bytes), timeout_s)
+    return await asyncio.wait_for(receive(), timeout_s)
 
 
 @torch.no_grad()
 def replay(params: Sequence[torch.Tensor], outer: torch.optim.Optimizer, rounds: Sequence[Round]) -> None:
     """Apply each round's average to `params` with the outer optimizer, as the swarm's update did: the average in
     `.grad`, one outer (never passthrough) step."""
-    total = sum(p.numel() for p in params)
+    flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)
+    views = flat.split([p.numel() for p in params])
     passthrough = getattr(outer, "passthrough", False)
     outer.passthrough = False
     try:
         for r in rounds:
-            flat = torch.zeros(total, dtype=torch.float32)
+            flat.zero_()
             flat[r.indices] = r.values
-            offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+            for p, view in zip(params, views):
+                p.grad.copy_(view.view_as(p))
             outer.step()
     finally:
         outer.passthrough = passthrough
@@ -188,7 +187,6 @@ class CatchUp:
         self._limit = entry_limit([p.numel() for p in self._params], fraction)
         self._fraction = fraction
         self._pending: Optional[bytes] = None
-        self.replayed_rounds = 0
         swarm.service.add_handler(LOG_HANDLER, handler(self.log), wrappers_pb2.BytesValue, stream_output=True)
         swarm.optimizer.before_update = self._stash
         swarm.optimizer.on_state_loaded = self.forget
@@ -242,7 +240,7 @@ class CatchUp:
         for donor in donors:
             began = time.monotonic()
             try:
-                data = self._swarm.service.run(fetch_within(
+                data = self._swarm.service.run(fetch(
                     self._swarm.service.p2p, PeerID.from_base58(donor), have, count,
                     max_answer_bytes(count, self._limit), FETCH_TIMEOUT_S), FETCH_TIMEOUT_S + 5.0)
                 rounds = unframe(data, have, count, self._total, self._limit)
@@ -260,7 +258,6 @@ class CatchUp:
             self._after_replay(want)
             for r in rounds:  # verified by the digest: this node serves them too from now on
                 self.log.add(r.epoch, r.payload)
-            self.replayed_rounds += count
             logger.info(f"Caught up from epoch {have} to {want} by replaying {count} rounds from {donor}: "
                         f"{len(data) / 1e6:.2f} MB in {time.monotonic() - began:.1f}s instead of the whole state")
             return True

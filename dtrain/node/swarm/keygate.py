@@ -21,6 +21,7 @@ import secrets
 import time
 from collections import OrderedDict
 from functools import partial
+from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 from google.protobuf import wrappers_pb2
@@ -125,14 +126,8 @@ def gate_handler(method: Callable[..., Any], gate: KeyGate, stream_output: bool)
 
 def gated(servicer: Any, gate: KeyGate, handlers) -> Any:
     """An object with `servicer`'s RPC handlers (hivemind RPCHandler records) that first check the caller."""
-    class Gated:
-        pass
-
-    wrapper = Gated()
-    for handler in handlers:
-        setattr(wrapper, handler.method_name,
-                gate_handler(getattr(servicer, handler.method_name), gate, handler.stream_output))
-    return wrapper
+    return SimpleNamespace(**{h.method_name: gate_handler(getattr(servicer, h.method_name), gate, h.stream_output)
+                              for h in handlers})
 
 
 class KeyGatedServicer:
