@@ -31,6 +31,7 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -103,14 +104,35 @@ def _netns_names() -> list[str]:
     return [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
 
 
-def _kill_inside(ns: str) -> None:
-    """SIGKILL the processes left in one of this harness's namespaces (started there by the harness's caller)."""
-    out = _ip("netns", "pids", ns, check=False)
-    for pid in (int(p) for p in out.stdout.split() if p.isdigit()):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def _kill_inside(ns: str, grace_s: float = 5.0) -> None:
+    """SIGKILL the processes left in one of this harness's namespaces (started there by the harness's caller), torch's
+    shared-memory managers last: each unlinks its clients' tensors (/dev/shm/torch_*) once they are gone and exits by
+    itself; killed with them, it leaks those files (gigabytes over a suite)."""
+    def pids() -> list[int]:
+        out = _ip("netns", "pids", ns, check=False)
+        return [int(p) for p in out.stdout.split() if p.isdigit()]
+
+    def kill(victims) -> None:
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    kill(pid for pid in pids() if not is_shm_manager(pid))
+    deadline = time.monotonic() + grace_s
+    while pids() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    kill(pids())
+
+
+def is_shm_manager(pid: int) -> bool:
+    """Whether `pid` is a torch_shm_manager (its /proc comm: the first 15 characters of the name)."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip() == "torch_shm_manag"
+    except OSError:
+        return False
 
 
 def reap() -> list[str]:

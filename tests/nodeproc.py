@@ -17,6 +17,8 @@ import uuid
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from tests.netns import is_shm_manager
+
 REPO = Path(__file__).resolve().parent.parent
 TINY_CONFIG = REPO / "configs" / "tiny.json"
 # Test nodes judge no contribution against a reference of their own (the default judges each against the node's own
@@ -214,7 +216,7 @@ class NodeProcess:
         """SIGKILL the node and its children, except torch_shm_manager: it unlinks the node's shared-memory
         tensors (/dev/shm/torch_*) once its clients are gone, and exits by itself; killed, it leaks them."""
         for pid in self.children():
-            if _comm(pid) == "torch_shm_manag":  # /proc comm: the first 15 characters
+            if is_shm_manager(pid):
                 continue
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -278,13 +280,6 @@ def _is_python(pid: int) -> bool:
 
 def new_run_id() -> str:
     return f"test-{uuid.uuid4().hex[:8]}"
-
-
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
 
 
 def pid_alive(pid: int) -> bool:
