@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from aiohttp import web
+from hivemind.utils.logging import get_logger
 
 from dtrain.bridge import dgrd, http, metrics, openai_routes, openapi, split_routes, training_routes
 from dtrain.bridge.http import ApiError
@@ -20,6 +21,8 @@ from dtrain.node.data import TokenDataset
 from dtrain.node.serve.service import ServeService
 from dtrain.node.split.service import SplitService
 from dtrain.node.train.trainer import TrainingNode
+
+logger = get_logger(__name__)
 
 
 def create_app(node: TrainingNode, config: NodeConfig, split: Optional[SplitService] = None, tokenizer=None,
@@ -44,6 +47,10 @@ def create_app(node: TrainingNode, config: NodeConfig, split: Optional[SplitServ
     openapi.setup(app)
     static_dir = Path(config.static_dir)
     _add_pages(app, static_dir, (tokenizer_files or assets.tokenizer_files(static_dir)).by_name)
+    if not (static_dir / "vendor" / "tf.js").exists():
+        logger.warning(f"{static_dir / 'vendor'} has no browser bundle (tf.js): pages load, but browsers cannot "
+                       f"train. Build it in the source tree with `make setup` (npm ci && npm run build), then "
+                       f"install again")
     return app
 
 
