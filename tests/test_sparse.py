@@ -30,32 +30,79 @@ def test_a_payload_decodes_to_the_same_bits():
     idx = torch.tensor([3, 17, 500, 999])
     flat[idx] = torch.tensor([1.5, -2.25e-8, 3.0e30, -7.0])
     data = sparse.encode(flat)
-    assert len(data) == sparse.HEADER.size + sparse.BYTES_PER_KEPT * 4
+    assert len(data) == sparse.HEADER.size + 4 * 4 + 4 * 4  # four u32 indices (16 bytes < a 125-byte bitmask)
     got_idx, got_values = sparse.decode(data, total=1000, limit=4)
     assert torch.equal(got_idx, idx) and torch.equal(got_values, flat[idx])
     assert sparse.decode(sparse.encode(torch.zeros(5)), total=5, limit=0)[0].numel() == 0
 
 
-def _payload(indices, values, magic=b"DSPR", count=None):
+def test_a_dense_enough_payload_sends_a_bitmask_and_fp16_values():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(10_001, generator=g) * 1e-3
+    flat = sparse.top_k([x], 0.1, half=True)[0]
+    count = int((flat != 0).sum())
+    data = sparse.encode(flat, half=True)
+    # 1,251 bytes of bitmask instead of 4,004 of indices, 2 bytes per value instead of 4
+    assert len(data) == sparse.HEADER.size + 1251 + 2 * count
+    assert data[8] == sparse.BITMASK and data[9] == sparse.F16
+    idx, values = sparse.decode(data, total=10_001, limit=sparse.kept(10_001, 0.1), half=True)
+    assert torch.equal(idx, torch.nonzero(flat, as_tuple=True)[0]) and torch.equal(values, flat[idx])
+    with pytest.raises(sparse.BadPayload, match="value type"):
+        sparse.decode(data, total=10_001, limit=2000)  # fp32 values were expected
+    assert len(data) <= sparse.payload_bytes(sparse.kept(10_001, 0.1), 10_001, half=True)
+
+
+def test_top_k_in_half_rounds_and_clamps_what_it_keeps_and_encode_refuses_unrounded_values():
+    x = torch.tensor([1.0 + 2 ** -12, -1e6, 3e-3, 0.0])
+    got = sparse.top_k([x], 0.5, half=True)[0]
+    assert torch.equal(got, torch.tensor([1.0, -65504.0, 0.0, 0.0]))
+    with pytest.raises(ValueError, match="fp16"):
+        sparse.encode(x, half=True)
+
+
+def _payload(indices, values, magic=b"DSPR", count=None, layout=sparse.INDICES, kind=sparse.F32):
     count = len(indices) if count is None else count
-    return (struct.pack("<4sI", magic, count) + np.array(indices, "<u4").tobytes()
+    return (struct.pack("<4sIBB", magic, count, layout, kind) + np.array(indices, "<u4").tobytes()
             + np.array(values, "<f4").tobytes())
 
 
-@pytest.mark.parametrize("data,why", [
-    (b"DSP", "no header"),
-    (_payload([1], [1.0], magic=b"XXXX"), "magic"),
-    (_payload([1, 2, 3], [1.0, 1.0, 1.0]), "more than"),
-    (_payload([1, 2], [1.0, 1.0], count=1), "bytes for"),
-    (_payload([1, 10], [1.0, 1.0]), "below 10"),
-    (_payload([4, 4], [1.0, 1.0]), "increase strictly"),
-    (_payload([5, 4], [1.0, 1.0]), "increase strictly"),
-    (_payload([1, 2], [1.0, float("nan")]), "finite"),
-    (_payload([1, 2], [float("inf"), 1.0]), "finite"),
+def _bitmask(bits: str, values, count=None):
+    """A payload whose positions are the bitmask `bits` (element i is bits[i], padded with 0 to whole bytes)."""
+    mask = np.packbits(np.array([b == "1" for b in bits]), bitorder="little").tobytes()
+    count = len(values) if count is None else count
+    return struct.pack("<4sIBB", b"DSPR", count, sparse.BITMASK, sparse.F32) + mask + np.array(values, "<f4").tobytes()
+
+
+# indices for a model of 1,000 elements (8 bytes of indices < a 125-byte bitmask); a bitmask for one of 10 (2 bytes)
+@pytest.mark.parametrize("data,total,why", [
+    (b"DSP", 1000, "no header"),
+    (_payload([1], [1.0], magic=b"XXXX"), 1000, "magic"),
+    (_payload([1, 2, 3], [1.0, 1.0, 1.0]), 1000, "more than"),
+    (_payload([1, 2], [1.0, 1.0], count=1), 1000, "bytes for"),
+    (_payload([1, 1000], [1.0, 1.0]), 1000, "below 1000"),
+    (_payload([4, 4], [1.0, 1.0]), 1000, "increase strictly"),
+    (_payload([5, 4], [1.0, 1.0]), 1000, "increase strictly"),
+    (_payload([1, 2], [1.0, float("nan")]), 1000, "finite"),
+    (_payload([1, 2], [float("inf"), 1.0]), 1000, "finite"),
+    (_payload([1, 2], [1.0, 1.0], kind=sparse.F16), 1000, "value type"),
+    (_payload([1, 2], [1.0, 1.0]), 10, "layout"),  # indices where the bitmask is smaller
+    (_bitmask("01" + "0" * 998, [1.0]), 1000, "layout"),  # a bitmask where indices are smaller
+    (_bitmask("0100100000", [1.0, 2.0], count=1), 10, "bytes for"),
+    (_bitmask("0100000000", [1.0, 2.0], count=2), 10, "marks 1 elements"),
+    (_bitmask("0100000000000100", [1.0, 2.0]), 10, "at or past 10"),  # a padding bit set
+    (_bitmask("0100100000", [1.0, float("nan")]), 10, "finite"),
 ])
-def test_a_malformed_payload_is_refused(data, why):
+def test_a_malformed_payload_is_refused(data, total, why):
     with pytest.raises(sparse.BadPayload, match=why):
-        sparse.decode(data, total=10, limit=2)
+        sparse.decode(data, total=total, limit=2)
+
+
+def test_a_bitmask_payload_decodes_to_its_positions():
+    idx, values = sparse.decode(_bitmask("0100100000", [1.0, -2.0]), total=10, limit=2)
+    assert idx.tolist() == [1, 4] and values.tolist() == [1.0, -2.0]
+    flat = torch.zeros(10)
+    flat[[1, 4]] = torch.tensor([1.0, -2.0])
+    assert sparse.encode(flat) == _bitmask("0100100000", [1.0, -2.0])  # one encoding per set of positions
 
 
 def test_the_average_is_the_weighted_mean_and_the_same_bits_every_time():
@@ -78,9 +125,12 @@ def test_the_average_is_the_weighted_mean_and_the_same_bits_every_time():
 def test_sparse_round_bytes_are_a_small_fraction_of_the_dense_ones():
     dense = codec.round_bytes("fp16", 1_000_000, 3)
     assert dense == codec.allreduce_bytes(1_000_000, 3, 2.0) + codec.allreduce_bytes(1_000_000, 3, 4.0)
-    assert codec.round_bytes("sparse", 1_000_000, 3, 0.01) == 1_000_000 * 0.08 * 4
+    # top 1%: u32 indices and fp16 values, 6 bytes per kept element; each member sends its payload to the other two
+    assert codec.round_bytes("sparse", 1_000_000, 3, 0.01) == pytest.approx(1_000_000 * 0.06 * 2)
     assert codec.round_bytes("sparse", 1_000_000, 1, 0.01) == 0.0
-    assert codec.bytes_per_element("sparse", 0.01) == pytest.approx(0.08)
+    assert codec.bytes_per_element("sparse", 0.01) == pytest.approx(0.06)
+    # top 10%: a bitmask (1/8 byte per element) and fp16 values
+    assert codec.bytes_per_element("sparse", 0.1) == pytest.approx(0.125 + 0.2)
 
 
 def _rounds(fraction):

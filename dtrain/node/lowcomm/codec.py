@@ -42,12 +42,12 @@ def bytes_per_element(name: str, fraction: float = 1.0) -> float:
 
 def round_bytes(name: str, elements: int, peers: int, fraction: float = 1.0) -> float:
     """Bytes one peer sends in one outer round among `peers`: the pseudo-gradient's exchange, then (dense codecs)
-    the parameters' averaging. The sparse gather is counted for its hub, which sends the most: every member's
-    payload to every other member."""
+    the parameters' averaging. In the sparse exchange every member sends its payload to every other member (the
+    hub of a group with client-mode members forwards theirs too: node.lowcomm.gather)."""
     if peers <= 1:
         return 0.0
     if check(name) == "sparse":
-        return elements * sparse.bytes_per_element(fraction) * (peers - 1) ** 2
+        return elements * sparse.bytes_per_element(fraction) * (peers - 1)
     return allreduce_bytes(elements, peers, CODECS[name][0]) + allreduce_bytes(elements, peers, PARAMS_BYTES)
 
 

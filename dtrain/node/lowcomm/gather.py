@@ -2,21 +2,24 @@
 
 hivemind's butterfly all-reduce moves dense parts and hands each member the average of a part as a delta from its
 own values, so members end a round with averages that differ in the last bits, and the parameters then need an
-averaging round of their own (4 bytes per parameter) to agree. With top-k payloads (node.lowcomm.sparse) a gather is
-cheaper and exact: the group's first full (non-client) member is its hub; every other member streams its payload to
-the hub and gets back the payloads of all the others; every member decodes the same bytes and sums them in the
-group's order, so the averaged pseudo-gradient, and the outer step after it, are the same bits everywhere.
+averaging round of their own (4 bytes per parameter) to agree. With top-k payloads (node.lowcomm.sparse) an
+all-to-all exchange is cheaper and exact: every member decodes the same bytes and sums them in the group's order, so
+the averaged pseudo-gradient, and the outer step after it, are the same bits everywhere.
 
-A client-mode member only dials out, as in hivemind. The hub sends (members - 1) payloads to each member: fine for
-payloads of about 1% of the model. The commit step (node.swarm.commit) then makes the round all or nothing: a member
-says complete only if it holds every member's payload, checked (node.lowcomm.sparse.decode) before use.
+Who talks to whom (`plan`): each pair of full members swaps payloads over one stream, both directions at once, the
+earlier member in the group's order dialing the later; so every member uploads N - 1 payloads and downloads as many,
+where a hub relaying everything would upload (N - 1)^2. A client-mode member only dials out, as in hivemind: it
+swaps payloads with every full member, and the group's first full member (its hub) also hands it the payloads of
+the other client-mode members, whom nobody can dial. The commit step (node.swarm.commit) then makes the round all
+or nothing: a member says complete only if it holds every member's payload, checked (node.lowcomm.sparse.decode)
+before use.
 """
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import AsyncIterator, Dict, Optional
+from typing import AsyncIterator, Dict, NamedTuple, Optional, Sequence
 
 import torch
 from hivemind.averaging.allreduce import AveragingMode
@@ -33,21 +36,63 @@ from dtrain.node.swarm.commit import CommittingGradientAverager, commit_window
 logger = get_logger(__name__)
 
 CHUNK_BYTES = 1 << 20  # payload bytes per stream message
-REGISTER_WAIT_S = 5.0  # how long the hub waits for a round it has not begun yet when a member's payload arrives
+REGISTER_WAIT_S = 5.0  # how long a member waits for a round it has not begun yet when a peer's payload arrives
+
+
+class Plan(NamedTuple):
+    """One member's part in a round's exchange."""
+
+    dial: tuple[PeerID, ...]  # the members this one calls, in the group's order
+    accept: frozenset[PeerID]  # the members that call this one
+    hub: PeerID  # the first full member: it forwards client-mode members' payloads to each other
+    clients: frozenset[PeerID]
+
+    def answer(self, me: PeerID, caller: PeerID) -> tuple[PeerID, ...]:
+        """Whose payloads `me` sends back to `caller`: its own, and at the hub, the other client-mode members'."""
+        if me == self.hub and caller in self.clients:
+            return (me, *sorted(self.clients - {caller}))
+        return (me,)
+
+
+def plan(members: Sequence[PeerID], full: Sequence[bool], me: PeerID) -> Optional[Plan]:
+    """`me`'s part in the exchange of a group (members in the group's order, whether each accepts connections);
+    None if no member accepts connections."""
+    fulls = [peer for peer, ok in zip(members, full) if ok]
+    if not fulls:
+        return None
+    clients = frozenset(peer for peer, ok in zip(members, full) if not ok)
+    if me in clients:
+        return Plan(tuple(fulls), frozenset(), fulls[0], clients)
+    mine = fulls.index(me)
+    return Plan(tuple(fulls[mine + 1:]), frozenset(fulls[:mine]) | clients, fulls[0], clients)
 
 
 @dataclass
-class _Gather:
-    """The hub's view of one round: the payloads received so far, by member."""
+class _Round:
+    """One member's view of a round: its own payload, the plan and the payloads received so far."""
 
     members: tuple[PeerID, ...]
+    plan: Plan
+    weight: float
+    own: bytes
     payloads: Dict[PeerID, tuple[float, bytes]] = field(default_factory=dict)
-    complete: asyncio.Event = field(default_factory=asyncio.Event)
+    arrived: asyncio.Condition = field(default_factory=asyncio.Condition)
 
-    def put(self, peer: PeerID, weight: float, data: bytes) -> None:
-        self.payloads[peer] = (weight, data)
-        if len(self.payloads) == len(self.members):
-            self.complete.set()
+    async def put(self, peer: PeerID, weight: float, data: bytes) -> None:
+        async with self.arrived:
+            self.payloads.setdefault(peer, (weight, data))
+            self.arrived.notify_all()
+
+    async def wait_for(self, peers: Sequence[PeerID], timeout: float) -> bool:
+        async with self.arrived:
+            try:
+                await asyncio.wait_for(self.arrived.wait_for(lambda: all(p in self.payloads for p in peers)), timeout)
+                return True
+            except asyncio.TimeoutError:
+                return False
+
+    def missing(self) -> list[str]:
+        return [str(p) for p in self.members if p not in self.payloads]
 
 
 def _chunks(group_id: bytes, peer: PeerID, weight: float, data: bytes) -> list[averaging_pb2.AveragingData]:
@@ -56,15 +101,19 @@ def _chunks(group_id: bytes, peer: PeerID, weight: float, data: bytes) -> list[a
                                         weight=weight, tensor_part=runtime_pb2.Tensor(buffer=part)) for part in parts]
 
 
+class _TooLarge(Exception):
+    pass
+
+
 class SparseGatherAverager(CommittingGradientAverager):
-    """A CommittingGradientAverager whose round is a gather of sparse payloads through the group's hub.
+    """A CommittingGradientAverager whose round is an all-to-all exchange of sparse payloads.
 
     `fraction` is the top-k fraction the node's payloads keep (it bounds what a member may send)."""
 
     def __init__(self, *args, fraction: float, **kwargs):
         self.fraction = fraction
-        self._gathers: Dict[bytes, _Gather] = {}
-        self._gather_begun: Optional[asyncio.Condition] = None
+        self._rounds: Dict[bytes, _Round] = {}
+        self._round_begun: Optional[asyncio.Condition] = None
         super().__init__(*args, **kwargs)
 
     @cached_property  # read in the averager's process, once: the tensors' sizes never change
@@ -74,51 +123,53 @@ class SparseGatherAverager(CommittingGradientAverager):
 
     @cached_property
     def _max_payload_bytes(self) -> int:
-        return sparse.HEADER.size + sparse.BYTES_PER_KEPT * self._limits[1]
+        total, limit = self._limits
+        return sparse.payload_bytes(limit, total, half=True)
 
     async def _exchange(self, group_info: GroupInfo, min_vector_size: int, weight: float = 1.0, **kwargs):
         began = get_dht_time()
         publish_by, _ = commit_window(self._allreduce_timeout)
         _, mode_ids, user_gathered_bytes = zip(*map(self.serializer.loads, group_info.gathered))
         gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_gathered_bytes)))
-        full = [peer for peer, mode in zip(group_info.peer_ids, mode_ids) if AveragingMode(mode) != AveragingMode.CLIENT]
-        if not full:
-            return gathered, "no member of the group accepts connections to gather the payloads"
-        hub, group_id = full[0], group_info.group_id
+        full = [AveragingMode(mode) != AveragingMode.CLIENT for mode in mode_ids]
+        my_plan = plan(group_info.peer_ids, full, self.peer_id)
+        if my_plan is None:
+            return gathered, "no member of the group accepts connections to exchange the payloads"
+        group_id = group_info.group_id
         # no butterfly runner in this round: its slot is done, as hivemind expects of a round (rpc_aggregate_part)
         runner_slot = self._running_groups.get(group_id)
         if runner_slot is not None and not runner_slot.done():
             runner_slot.set_result(None)
         total, limit = self._limits
         async with enter_asynchronously(self.get_tensors()) as tensors:
-            own = sparse.encode(_flat(tensors))
+            own = sparse.encode(_flat(tensors), half=True)
         weight = float(weight)
 
-        if hub == self.peer_id:
-            gather = self._gathers.setdefault(group_id, _Gather(group_info.peer_ids))
-            await self._announce_gather()
-            gather.put(self.peer_id, weight, own)
-            try:
-                await asyncio.wait_for(gather.complete.wait(), timeout=max(0.0, began + publish_by - get_dht_time()))
-            except asyncio.TimeoutError:
-                missing = [str(p) for p in group_info.peer_ids if p not in gather.payloads]
-                return gathered, f"no payload from {', '.join(missing)} in time"
-            finally:
-                asyncio.get_event_loop().call_later(2 * REGISTER_WAIT_S, self._gathers.pop, group_id, None)
-            received = dict(gather.payloads)
-        else:
-            received = {self.peer_id: (weight, own)}
-            try:
-                reason = await asyncio.wait_for(self._from_hub(hub, group_info, weight, own, received),
-                                                timeout=max(0.0, began + publish_by - get_dht_time()))
-            except asyncio.TimeoutError:
-                reason = f"the hub {hub} sent the payloads too late"
-            if reason is not None:
-                return gathered, reason
+        round_ = _Round(group_info.peer_ids, my_plan, weight, own)
+        await round_.put(self.peer_id, weight, own)
+        self._rounds[group_id] = round_
+        await self._announce_round()
+        calls = [asyncio.create_task(self._call(peer, group_id, round_)) for peer in my_plan.dial]
+        everyone = asyncio.create_task(round_.wait_for(group_info.peer_ids, timeout=float("inf")))
+        pending = {everyone, *calls}
+        try:
+            while not everyone.done():
+                timeout = began + publish_by - get_dht_time()
+                if timeout <= 0:
+                    return gathered, f"no payload from {', '.join(round_.missing())} in time"
+                done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task is not everyone and task.result() is not None:
+                        return gathered, task.result()
+        finally:
+            for task in pending:
+                task.cancel()
+            asyncio.get_event_loop().call_later(2 * REGISTER_WAIT_S, self._rounds.pop, group_id, None)
 
         try:
-            decoded = [sparse.decode(received[peer][1], total, limit) for peer in group_info.peer_ids]
-            average = sparse.average(decoded, [received[peer][0] for peer in group_info.peer_ids], total)
+            decoded = [sparse.decode(round_.payloads[peer][1], total, limit, half=True)
+                       for peer in group_info.peer_ids]
+            average = sparse.average(decoded, [round_.payloads[peer][0] for peer in group_info.peer_ids], total)
         except ValueError as e:
             return gathered, f"a payload was refused: {e}"
         async with enter_asynchronously(self.get_tensors()) as tensors:
@@ -128,49 +179,50 @@ class SparseGatherAverager(CommittingGradientAverager):
                 offset += t.numel()
         return gathered, None
 
-    async def _from_hub(self, hub: PeerID, group_info: GroupInfo, weight: float, own: bytes,
-                        received: Dict[PeerID, tuple[float, bytes]]) -> Optional[str]:
-        """Send this member's payload to the hub and put the others' into `received`; why not, if it failed."""
-        stub = type(self).get_stub(self._p2p, hub, namespace=self.prefix)
-        stream = await stub.rpc_sparse_gather(as_aiter(*_chunks(group_info.group_id, self.peer_id, weight, own)))
-        parts: Dict[PeerID, list] = {}
-        async for message in stream:
-            if message.code != averaging_pb2.AVERAGED_PART:
-                return f"the hub {hub} refused the payload ({averaging_pb2.MessageCode.Name(message.code)})"
-            peer = PeerID(message.peer_id)
-            if peer not in group_info.peer_ids or peer == self.peer_id:
-                return f"the hub {hub} sent a payload of {peer}, not of another member"
-            part = parts.setdefault(peer, [message.weight, [], 0])  # weight, chunks, bytes so far
-            part[1].append(message.tensor_part.buffer)
-            part[2] += len(message.tensor_part.buffer)
-            if part[2] > self._max_payload_bytes:
-                return f"the hub {hub} sent more than a payload for {peer}"
-        for peer, (w, chunks, _) in parts.items():
-            received[peer] = (w, b"".join(chunks))
-        missing = [str(p) for p in group_info.peer_ids if p not in received]
-        return f"the hub {hub} sent no payload of {', '.join(missing)}" if missing else None
+    async def _call(self, peer: PeerID, group_id: bytes, round_: _Round) -> Optional[str]:
+        """Swap payloads with `peer`: this member's out, the ones `peer` answers with in; why not, if it failed."""
+        expected = set(round_.plan.answer(peer, self.peer_id))
+        try:
+            stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)
+            stream = await stub.rpc_sparse_gather(
+                as_aiter(*_chunks(group_id, self.peer_id, round_.weight, round_.own)))
+            parts: Dict[PeerID, list] = {}
+            async for message in stream:
+                if message.code != averaging_pb2.AVERAGED_PART:
+                    return f"{peer} refused the payload ({averaging_pb2.MessageCode.Name(message.code)})"
+                sender = PeerID(message.peer_id)
+                if sender not in expected:
+                    return f"{peer} sent a payload of {sender}, not one it answers with"
+                part = parts.setdefault(sender, [message.weight, [], 0])  # weight, chunks, bytes so far
+                part[1].append(message.tensor_part.buffer)
+                part[2] += len(message.tensor_part.buffer)
+                if part[2] > self._max_payload_bytes:
+                    return f"{peer} sent more than a payload for {sender}"
+        except Exception as e:  # a dropped stream, an unreachable peer: the round cannot complete
+            return f"the exchange with {peer} failed ({type(e).__name__}: {e})"
+        missing = [str(p) for p in expected if p not in parts]
+        if missing:
+            return f"{peer} sent no payload of {', '.join(missing)}"
+        for sender, (w, chunks, _) in parts.items():
+            await round_.put(sender, w, b"".join(chunks))
+        return None
 
-    async def _announce_gather(self) -> None:
-        if self._gather_begun is None:
-            self._gather_begun = asyncio.Condition()
-        async with self._gather_begun:
-            self._gather_begun.notify_all()
+    async def _announce_round(self) -> None:
+        if self._round_begun is None:
+            self._round_begun = asyncio.Condition()
+        async with self._round_begun:
+            self._round_begun.notify_all()
 
-    async def _wait_gather(self, group_id: bytes) -> Optional[_Gather]:
-        """The hub's gather for `group_id`, waiting (bounded) for a round this hub has not begun yet."""
-        if self._gather_begun is None:
-            self._gather_begun = asyncio.Condition()
-        deadline = asyncio.get_event_loop().time() + REGISTER_WAIT_S
-        async with self._gather_begun:
-            while group_id not in self._gathers:
-                left = deadline - asyncio.get_event_loop().time()
-                if left <= 0:
-                    return None
-                try:
-                    await asyncio.wait_for(self._gather_begun.wait(), timeout=left)
-                except asyncio.TimeoutError:
-                    return None
-        return self._gathers.get(group_id)
+    async def _wait_round(self, group_id: bytes) -> Optional[_Round]:
+        """This member's round `group_id`, waiting (bounded) for a round it has not begun yet."""
+        if self._round_begun is None:
+            self._round_begun = asyncio.Condition()
+        async with self._round_begun:
+            try:
+                await asyncio.wait_for(self._round_begun.wait_for(lambda: group_id in self._rounds), REGISTER_WAIT_S)
+            except asyncio.TimeoutError:
+                return None
+        return self._rounds.get(group_id)
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData],
                                  context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
@@ -179,33 +231,44 @@ class SparseGatherAverager(CommittingGradientAverager):
 
     async def rpc_sparse_gather(self, stream: AsyncIterator[averaging_pb2.AveragingData],
                                 context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
-        """A member's payload in; the other members' payloads out, once the hub holds them all."""
+        """A member's payload in; this member's own payload out while it arrives (and at the hub, to a client-mode
+        member, the other client-mode members' payloads once they are in)."""
         first = await anext(stream)
-        gather = await self._wait_gather(first.group_id)
-        sender = context.remote_id
-        if gather is None or sender not in gather.members or sender in gather.payloads:
+        round_ = await self._wait_round(first.group_id)
+        caller = context.remote_id
+        if round_ is None or caller not in round_.plan.accept or caller in round_.payloads:
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return
+        receiving = asyncio.create_task(self._receive(first, stream, caller, round_))
+        try:
+            for message in _chunks(first.group_id, self.peer_id, round_.weight, round_.own):
+                yield message
+            await receiving
+        except _TooLarge:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        finally:
+            receiving.cancel()
+        forward = round_.plan.answer(self.peer_id, caller)[1:]
+        if forward and not await round_.wait_for(forward, timeout=self._allreduce_timeout):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
+            return
+        for peer in forward:
+            weight, data = round_.payloads[peer]
+            for message in _chunks(first.group_id, peer, weight, data):
+                yield message
+
+    async def _receive(self, first: averaging_pb2.AveragingData, stream: AsyncIterator[averaging_pb2.AveragingData],
+                       caller: PeerID, round_: _Round) -> None:
+        """Read `caller`'s payload (bounded) into the round, as soon as it is whole."""
         chunks, size = [first.tensor_part.buffer], len(first.tensor_part.buffer)
         async for message in stream:
             chunks.append(message.tensor_part.buffer)
             size += len(message.tensor_part.buffer)
             if size > self._max_payload_bytes:
-                yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
-                return
-        gather.put(sender, float(first.weight), b"".join(chunks))
-        try:
-            await asyncio.wait_for(gather.complete.wait(), timeout=self._allreduce_timeout)
-        except asyncio.TimeoutError:
-            yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
-            return
-        for peer in gather.members:
-            if peer != sender:
-                weight, data = gather.payloads[peer]
-                for message in _chunks(first.group_id, peer, weight, data):
-                    yield message
+                raise _TooLarge()
+        await round_.put(caller, float(first.weight), b"".join(chunks))
 
 
 def _flat(tensors) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1).float() for t in tensors])
-

@@ -121,8 +121,8 @@ def unframe(data: bytes, after: int, count: int, total: int, limit: int) -> list
     return rounds
 
 
-def max_answer_bytes(count: int, limit: int) -> int:
-    return count * (FRAME.size + sparse.HEADER.size + sparse.BYTES_PER_KEPT * limit)
+def max_answer_bytes(count: int, total: int, limit: int) -> int:
+    return count * (FRAME.size + sparse.payload_bytes(limit, total, half=False))
 
 
 def handler(log: RoundLog):
@@ -242,7 +242,7 @@ class CatchUp:
             try:
                 data = self._swarm.service.run(fetch(
                     self._swarm.service.p2p, PeerID.from_base58(donor), have, count,
-                    max_answer_bytes(count, self._limit), FETCH_TIMEOUT_S), FETCH_TIMEOUT_S + 5.0)
+                    max_answer_bytes(count, self._total, self._limit), FETCH_TIMEOUT_S), FETCH_TIMEOUT_S + 5.0)
                 rounds = unframe(data, have, count, self._total, self._limit)
             except Exception as e:  # no answer, a timeout, a malformed log: the next donor, then the download
                 logger.info(f"No round log from {donor}: {e!r}")
