@@ -90,8 +90,6 @@ def run(mode: str, rate, args, paths: list[Path], held_tokens: np.ndarray) -> di
     common = ["--model-config", str(args.model_config), "--local-batch-size", str(args.batch), "--local-seq-len",
               "64", *MODES[mode], "--inner-steps", str(args.inner_steps), "--topk-fraction", str(args.topk_fraction),
               "--wait-for-peers", str(args.peers), *NODE_TIMEOUTS]
-    if rate is not None and mode != "per-step":
-        common += ["--link-mbit", str(rate)]
     run_id, nodes = new_run_id(), []
     with Net() as net:
         hosts = [net.host(f"n{i}", rate_mbit=rate) for i in range(args.peers)]

@@ -129,12 +129,13 @@ class SwarmConfig:
     outer_momentum: float = option(0.9, "--outer-momentum", "low-comm: outer Nesterov SGD momentum")
     wire_codec: str = option("fp16", "--wire-codec", "low-comm: the pseudo-gradient on the wire: fp16 or fp32 "
                              "(dense all-reduce, then the parameters are averaged), or sparse (top-k with error "
-                             "feedback, gathered: every node computes the same average)",
+                             "feedback, exchanged member to member: every node computes the same average)",
                              choices=("fp16", "fp32", "sparse"))
     topk_fraction: float = option(0.1, "--topk-fraction", "low-comm, sparse codec: the fraction of each tensor's "
                                   "elements a round sends; the rest waits in the node's error feedback")
-    link_mbit: float = option(0.0, "--link-mbit", "low-comm: the slowest link's rate, Mbit/s; the all-reduce "
-                              "deadline grows to fit its bytes at this rate (0: --averaging-timeout as given)")
+    link_mbit: float = option(10.0, "--link-mbit", "low-comm: the slowest link's rate, Mbit/s (default: a home "
+                              "uplink); the all-reduce deadline grows to fit its bytes at this rate (0: "
+                              "--averaging-timeout as given)")
 
     def __post_init__(self):
         if self.sync not in ("per-step", "low-comm"):
