@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(60)]
 def test_a_peer_answers_with_its_log_over_libp2p_and_a_long_answer_is_cut_off():
     log = roundlog.RoundLog()
     for epoch in range(3, 9):
-        log.add(epoch, payload(epoch, count=200_000 if epoch == 8 else 30, total=400_000))
+        log.add(epoch, payload(epoch, count=300_000 if epoch == 8 else 30, total=400_000))
 
     async def run():
         server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
