@@ -3,10 +3,13 @@
 It is what hivemind.Optimizer wraps in low-communication mode, so the swarm's update applies it to the averaged
 pseudo-gradients in `.grad` of parameters that the node reset to the round's starting point. A node alone
 (`passthrough`) has no round to average: each of its inner updates is the spec's single-server update, so the outer
-step is the pseudo-gradient itself (learning rate 1, no momentum): from the round's start it lands on the parameters
-the inner AdamW made, and the momentum stays as it is.
+step puts the parameters where the inner AdamW left them (`landing`, bit for bit: the round's start minus the
+pseudo-gradient would round in the last bit), and the momentum stays as it is. Without `landing` it applies the
+pseudo-gradient itself (learning rate 1, no momentum).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -19,6 +22,7 @@ class OuterNesterov(torch.optim.Optimizer):
             raise ValueError(f"outer momentum must be in [0, 1), got {momentum!r}")
         super().__init__(params, dict(lr=lr, momentum=momentum))
         self.passthrough = False
+        self.landing: Optional[dict[int, torch.Tensor]] = None  # id(parameter) -> its value after the inner updates
         for group in self.param_groups:  # the state exists from the start: a joiner downloads it like any other
             for p in group["params"]:
                 self.state[p] = {"momentum_buffer": torch.zeros_like(p)}
@@ -31,7 +35,10 @@ class OuterNesterov(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 if self.passthrough:
-                    p.sub_(p.grad)
+                    if self.landing is not None and id(p) in self.landing:
+                        p.copy_(self.landing[id(p)])
+                    else:
+                        p.sub_(p.grad)
                     continue
                 buf = self.state[p]["momentum_buffer"]
                 buf.mul_(mu).add_(p.grad)

@@ -90,6 +90,11 @@ class InnerRounds:
                 p.copy_(a)
         self.in_outer = True
 
+    def set_aside(self) -> dict[int, torch.Tensor]:
+        """id(parameter) -> the inner updates' value of it, set aside inside an outer round (where a node alone's
+        passthrough outer step lands it: node.lowcomm.outer)."""
+        return {id(p): q for p, q in zip(self.params, self._inner)}
+
     def at_anchor(self) -> bool:
         """The parameters are the anchor's bytes (the ones the node serves): others may download them."""
         return not self._replaced()

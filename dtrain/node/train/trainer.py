@@ -449,7 +449,8 @@ class TrainingNode:
         opt, rounds = self.swarm.optimizer, self.rounds
         alone = self._alone()
         self._round_due = alone or rounds.due
-        opt.state_averager.optimizer.passthrough = alone
+        outer = opt.state_averager.optimizer
+        outer.passthrough, outer.landing = alone, rounds.set_aside() if alone else None
         rounds.enter_outer()
         self._recheck(force=opt.tracker.ready_to_update_epoch)  # may download the swarm's bytes of the last step
         if self._unverified:
@@ -525,7 +526,8 @@ class TrainingNode:
         off). Views, not copies: the training thread, which alone steps the optimizer, is the one reading them."""
         if self.aggregator.config.min_cosine is None or self.reference is not None:
             return None
-        opt = self.swarm.optimizer.state_averager.optimizer
+        # low-comm: the inner AdamW's (the swarm's optimizer is the outer Nesterov step)
+        opt = self.rounds.inner if self.rounds is not None else self.swarm.optimizer.state_averager.optimizer
         params = [p for group in opt.param_groups for p in group["params"]]
         moments = [opt.state.get(p, {}).get("exp_avg") for p in params]
         if len(moments) != len(self.tensors) or any(m is None or m.numel() != t.elements
