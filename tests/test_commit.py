@@ -75,20 +75,24 @@ def signed_dht(owner: RecordOwner, initial_peers=()) -> hivemind.DHT:
 
 
 @contextlib.contextmanager
-def averagers(factory):
-    """MEMBERS averagers in one swarm; member i holds the gradient i + 1 everywhere. `factory(owner)` is the
-    averager class of the member whose records `owner` signs."""
+def averagers(factory, grads=None, **opts):
+    """One averager per gradient of `grads` in one swarm (by default MEMBERS, member i holding the gradient i + 1
+    everywhere). `factory(i, owner)` is the averager class of member i, whose records `owner` signs; `opts` replace
+    OPTS."""
+    if grads is None:
+        grads = [torch.full((ELEMENTS,), float(i + 1)) for i in range(MEMBERS)]
     dhts, members = [], []
     try:
-        owners = [RecordOwner.generate() for _ in range(MEMBERS)]
+        owners = [RecordOwner.generate() for _ in grads]
         dhts.append(signed_dht(owners[0]))
         for owner in owners[1:]:
             dhts.append(signed_dht(owner, initial_peers=dhts[0].get_visible_maddrs()))
         prefix = new_run_id()
-        for i, (dht, owner) in enumerate(zip(dhts, owners)):
-            param = torch.nn.Parameter(torch.zeros(ELEMENTS))
-            param.grad = torch.full((ELEMENTS,), float(i + 1))
-            members.append((param, factory(owner)([param], dht=dht, prefix=prefix, start=True, **OPTS)))
+        for i, (dht, owner, grad) in enumerate(zip(dhts, owners, grads)):
+            param = torch.nn.Parameter(torch.zeros_like(grad))
+            param.grad = grad.clone()
+            members.append((param, factory(i, owner)([param], dht=dht, prefix=prefix, start=True,
+                                                     **(opts or OPTS))))
         yield members
     finally:
         for _, averager in members:
@@ -138,7 +142,7 @@ def applied(result) -> bool:
 @pytest.fixture(scope="module")
 def committing():
     committing_class = freezable(CommittingGradientAverager)
-    with averagers(lambda owner: partial(committing_class, record_subkey=owner.subkey)) as members:
+    with averagers(lambda i, owner: partial(committing_class, record_subkey=owner.subkey)) as members:
         yield members
 
 
@@ -158,7 +162,7 @@ def test_a_member_frozen_mid_round_aborts_the_round_on_every_member(committing):
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="hivemind's own averager hands members partial averages: what node.commit "
                                        "prevents")
 def test_without_the_commit_step_members_apply_partial_averages():
-    with averagers(lambda owner: freezable(GradientAverager)) as members:
+    with averagers(lambda i, owner: freezable(GradientAverager)) as members:
         assert_all_or_nothing(run_round(members, freeze=True))
 
 

@@ -36,36 +36,47 @@ def test_a_payload_decodes_to_the_same_bits():
     assert sparse.decode(sparse.encode(torch.zeros(5)), total=5, limit=0)[0].numel() == 0
 
 
-def test_a_dense_enough_payload_sends_a_bitmask_and_fp16_values():
+def test_a_dense_enough_payload_sends_a_bitmask_and_8_bit_values():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(10_001, generator=g) * 1e-3
-    flat = sparse.top_k([x], 0.1, half=True)[0]
+    flat = sparse.quantize(sparse.top_k([x], 0.1))[0]
     count = int((flat != 0).sum())
-    data = sparse.encode(flat, half=True)
-    # 1,251 bytes of bitmask instead of 4,004 of indices, 2 bytes per value instead of 4
-    assert len(data) == sparse.HEADER.size + 1251 + 2 * count
-    assert data[8] == sparse.BITMASK and data[9] == sparse.F16
-    idx, values = sparse.decode(data, total=10_001, limit=sparse.kept(10_001, 0.1), half=True)
+    assert count == sparse.kept(10_001, 0.1)  # a kept value never quantizes to 0
+    data = sparse.encode(flat, quantized=True)
+    # 1,251 bytes of bitmask instead of 4,004 of indices; a byte per value and one exponent per 64 values
+    assert len(data) == sparse.HEADER.size + 1251 + count + -(-count // 64)
+    assert data[8] == sparse.BITMASK and data[9] == sparse.I8
+    idx, values = sparse.decode(data, total=10_001, limit=count, quantized=True)
     assert torch.equal(idx, torch.nonzero(flat, as_tuple=True)[0]) and torch.equal(values, flat[idx])
     with pytest.raises(sparse.BadPayload, match="value type"):
-        sparse.decode(data, total=10_001, limit=2000)  # fp32 values were expected
-    assert len(data) <= sparse.payload_bytes(sparse.kept(10_001, 0.1), 10_001, half=True)
+        sparse.decode(data, total=10_001, limit=count)  # fp32 values were expected
+    assert len(data) == sparse.payload_bytes(count, 10_001, quantized=True)
 
 
-def test_top_k_in_half_rounds_and_clamps_what_it_keeps_as_encode_does():
-    x = torch.tensor([1.0 + 2 ** -12, -1e6, 3e-3, 0.0])
-    got = sparse.top_k([x], 0.5, half=True)[0]
-    assert torch.equal(got, torch.tensor([1.0, -65504.0, 0.0, 0.0]))
-    # an offer scaled by hivemind's accumulator (x 7, then x 1/7) is a bit off its fp16 values: encode rounds it back
+def test_quantize_keeps_8_bits_per_block_exactly_and_is_its_own_fixed_point():
     g = torch.Generator().manual_seed(2)
-    offer = sparse.top_k([torch.randn(1000, generator=g)], 0.2, half=True)[0]
-    scaled = (offer * 7) * (1 / 7)
-    assert not torch.equal(scaled, offer)
-    idx, values = sparse.decode(sparse.encode(scaled, half=True), 1000, 200, half=True)
-    assert torch.equal(values, offer[idx]) and torch.equal(idx, torch.nonzero(offer, as_tuple=True)[0])
+    x = sparse.top_k([torch.randn(3000, generator=g) * torch.logspace(-6, 2, 3000)], 0.2)[0]
+    q = sparse.quantize([x])[0]
+    kept_x, kept_q = x[x != 0].double().numpy(), q[x != 0].double().numpy()
+    assert np.all(kept_q != 0) and torch.equal(q == 0, x == 0)
+    for block in range(0, kept_x.size, sparse.BLOCK):  # within half a step of a 127-step scale of the block's peak
+        xs, qs = kept_x[block:block + sparse.BLOCK], kept_q[block:block + sparse.BLOCK]
+        step = np.abs(xs).max() / 127
+        assert np.all(np.abs(qs - xs) <= np.maximum(step, np.abs(xs)))  # |q| >= 1 step for the smallest
+        assert np.all(np.abs(qs - xs)[np.abs(xs) >= step] <= step)
+    assert torch.equal(sparse.quantize([q])[0], q)
+    # an offer scaled by hivemind's accumulator (x 7, then x 1/7) is a bit off: the payload carries the offer's values
+    scaled = (q * 7) * (1 / 7)
+    assert not torch.equal(scaled, q)
+    idx, values = sparse.decode(sparse.encode(scaled, quantized=True), 3000, 600, quantized=True)
+    assert torch.equal(values, q[idx])
+    # the exponent range bounds what a payload can carry: finite, normal fp32
+    assert sparse.quantize([torch.tensor([3e38, 0.0])])[0].tolist() == [127 * 2.0 ** 120, 0.0]
+    assert sparse.quantize([torch.tensor([1e-40])])[0].tolist() == [2.0 ** -120]
 
 
 def _payload(indices, values, magic=b"DSPR", count=None, layout=sparse.INDICES, kind=sparse.F32):
+    """A payload with fp32 values (`kind` only labels them)."""
     count = len(indices) if count is None else count
     return (struct.pack("<4sIBB", magic, count, layout, kind) + np.array(indices, "<u4").tobytes()
             + np.array(values, "<f4").tobytes())
@@ -89,7 +100,7 @@ def _bitmask(bits: str, values, count=None):
     (_payload([5, 4], [1.0, 1.0]), 1000, "increase strictly"),
     (_payload([1, 2], [1.0, float("nan")]), 1000, "finite"),
     (_payload([1, 2], [float("inf"), 1.0]), 1000, "finite"),
-    (_payload([1, 2], [1.0, 1.0], kind=sparse.F16), 1000, "value type"),
+    (_payload([1, 2], [1.0, 1.0], kind=sparse.I8), 1000, "value type"),
     (_payload([1, 2], [1.0, 1.0]), 10, "layout"),  # indices where the bitmask is smaller
     (_bitmask("01" + "0" * 998, [1.0]), 1000, "layout"),  # a bitmask where indices are smaller
     (_bitmask("0100100000", [1.0, 2.0], count=1), 10, "bytes for"),
@@ -100,6 +111,26 @@ def _bitmask(bits: str, values, count=None):
 def test_a_malformed_payload_is_refused(data, total, why):
     with pytest.raises(sparse.BadPayload, match=why):
         sparse.decode(data, total=total, limit=2)
+
+
+def _quantized(exponent: int, values) -> bytes:
+    """An 8-bit payload of a 1,000-element model at indices 1, 2, ..."""
+    head = struct.pack("<4sIBB", b"DSPR", len(values), sparse.INDICES, sparse.I8)
+    return (head + np.arange(1, len(values) + 1, dtype="<u4").tobytes() + struct.pack("<b", exponent)
+            + np.array(values, np.int8).tobytes())
+
+
+@pytest.mark.parametrize("data,why", [
+    (_quantized(121, [1, 2]), "exponent"),
+    (_quantized(-121, [1, 2]), "exponent"),
+    (_quantized(0, [1, -128]), "-128"),
+    (_quantized(0, [1, 2])[:-1], "bytes for"),
+])
+def test_a_malformed_8_bit_payload_is_refused(data, why):
+    with pytest.raises(sparse.BadPayload, match=why):
+        sparse.decode(data, total=1000, limit=2, quantized=True)
+    assert sparse.decode(_quantized(120, [127, -1]), 1000, 2, quantized=True)[1].tolist() == [127 * 2.0 ** 120,
+                                                                                            -(2.0 ** 120)]
 
 
 def test_a_bitmask_payload_decodes_to_its_positions():
@@ -130,12 +161,12 @@ def test_the_average_is_the_weighted_mean_and_the_same_bits_every_time():
 def test_sparse_round_bytes_are_a_small_fraction_of_the_dense_ones():
     dense = codec.round_bytes("fp16", 1_000_000, 3)
     assert dense == codec.allreduce_bytes(1_000_000, 3, 2.0) + codec.allreduce_bytes(1_000_000, 3, 4.0)
-    # top 1%: u32 indices and fp16 values, 6 bytes per kept element; each member sends its payload to the other two
-    assert codec.round_bytes("sparse", 1_000_000, 3, 0.01) == pytest.approx(1_000_000 * 0.06 * 2)
+    # top 1%: u32 indices and 8-bit values (an exponent per 64), 5.02 bytes per kept element; each member sends its
+    # payload to the other two
+    assert codec.round_bytes("sparse", 1_000_000, 3, 0.01) == pytest.approx(1_000_000 * 0.01 * (5 + 1 / 64) * 2)
     assert codec.round_bytes("sparse", 1_000_000, 1, 0.01) == 0.0
-    assert codec.bytes_per_element("sparse", 0.01) == pytest.approx(0.06)
-    # top 10%: a bitmask (1/8 byte per element) and fp16 values
-    assert codec.bytes_per_element("sparse", 0.1) == pytest.approx(0.125 + 0.2)
+    # top 20%: a bitmask (1/8 byte per element) and 8-bit values
+    assert codec.bytes_per_element("sparse", 0.2) == pytest.approx(0.125 + 0.2 * (1 + 1 / 64))
 
 
 def _rounds(fraction):

@@ -124,7 +124,7 @@ class SparseGatherAverager(CommittingGradientAverager):
     @cached_property
     def _max_payload_bytes(self) -> int:
         total, limit = self._limits
-        return sparse.payload_bytes(limit, total, half=True)
+        return sparse.payload_bytes(limit, total, quantized=True)
 
     async def _exchange(self, group_info: GroupInfo, min_vector_size: int, weight: float = 1.0, **kwargs):
         began = get_dht_time()
@@ -142,7 +142,7 @@ class SparseGatherAverager(CommittingGradientAverager):
             runner_slot.set_result(None)
         total, limit = self._limits
         async with enter_asynchronously(self.get_tensors()) as tensors:
-            own = sparse.encode(_flat(tensors), half=True)
+            own = sparse.encode(_flat(tensors), quantized=True)
         weight = float(weight)
 
         round_ = _Round(group_info.peer_ids, my_plan, weight, own)
@@ -167,7 +167,7 @@ class SparseGatherAverager(CommittingGradientAverager):
             asyncio.get_event_loop().call_later(2 * REGISTER_WAIT_S, self._rounds.pop, group_id, None)
 
         try:
-            decoded = [sparse.decode(round_.payloads[peer][1], total, limit, half=True)
+            decoded = [sparse.decode(round_.payloads[peer][1], total, limit, quantized=True)
                        for peer in group_info.peer_ids]
             average = sparse.average(decoded, [round_.payloads[peer][0] for peer in group_info.peer_ids], total)
         except ValueError as e:

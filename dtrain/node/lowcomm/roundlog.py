@@ -122,7 +122,7 @@ def unframe(data: bytes, after: int, count: int, total: int, limit: int) -> list
 
 
 def max_answer_bytes(count: int, total: int, limit: int) -> int:
-    return count * (FRAME.size + sparse.payload_bytes(limit, total, half=False))
+    return count * (FRAME.size + sparse.payload_bytes(limit, total, quantized=False))
 
 
 def handler(log: RoundLog):

@@ -13,8 +13,8 @@ Every call that may replace the parameters (an outer update, a download of the s
 `enter_outer` and one of the three. Nothing accepted is dropped and nothing goes into two outer updates.
 
 With a sparse codec (`fraction`), what the node offers a round (`offer`) is the top-k of its pseudo-gradient plus its
-error feedback (what earlier rounds did not send), its values rounded to fp16 as they travel. `settle` keeps the
-unsent rest, rounding included, as the new error feedback; `carry`
+error feedback (what earlier rounds did not send), its values quantized as they travel. `settle` keeps the unsent
+rest, quantization error included, as the new error feedback; `carry`
 and `leave_outer` leave it as it was, since the whole pseudo-gradient goes back on the parameters.
 """
 from __future__ import annotations
@@ -77,7 +77,7 @@ class InnerRounds:
             delta = self.pseudo_gradient()
             if self._compress and self.feedback is not None:
                 with torch.no_grad():
-                    delta = sparse.top_k([e + d for e, d in zip(self.feedback, delta)], self.fraction, half=True)
+                    delta = sparse.quantize(sparse.top_k([e + d for e, d in zip(self.feedback, delta)], self.fraction))
             self._offer = delta
         return self._offer
 

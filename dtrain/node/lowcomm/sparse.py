@@ -1,19 +1,27 @@
 """The sparse wire codec of low-communication rounds (`--wire-codec sparse`): top-k of the pseudo-gradient plus the
-node's error feedback, sent as positions and values, and the average every member computes from the same payloads.
+node's error feedback, sent as positions and 8-bit values, and the average every member computes from the same
+payloads.
 
 SparseLoCo (templar) is the anchor: each node keeps the largest `fraction` of every tensor of (pseudo-gradient +
 what it has not sent yet) and carries the rest in its error-feedback buffer (`lowcomm.rounds.InnerRounds`), so
-nothing is dropped, only sent later. A round's values travel as fp16: `top_k(..., half=True)` rounds them before
-they are offered, so the rounding error stays in the error feedback like everything else not sent. Every member
-decodes the same bytes and sums them in fp32 in the group's order, so the average, and the outer step after it, are
-the same bits on every node, and the parameters need no averaging after the round.
+nothing is dropped, only sent later. The kept values are quantized before they are offered (`quantize`), so the
+quantization error stays in the error feedback like everything else not sent. Every member decodes the same bytes
+and sums them in fp32 in the group's order, so the average, and the outer step after it, are the same bits on every
+node, and the parameters need no averaging after the round.
 
-Payload layout (little-endian): magic `DSPR`, u32 count, u8 positions layout, u8 value type, then the positions and
-`count` values (finite). Positions are either `count` u32 flat indices (strictly increasing, below the model's
-element count) or a bitmask of the model's elements (bit i of byte i // 8, padding bits 0), whichever is smaller:
-at the default top-10% the bitmask costs 1/8 byte per element where indices cost 4/10. Values are f32 or f16. Only
-the smaller positions layout is accepted, so a set of positions has one encoding and a payload one bound.
-Everything a stranger sends is checked before it is used.
+Quantization is a shared exponent per block of BLOCK consecutive kept values (in the model's flat order) and an int8
+per value: value = q * 2^e, |q| <= 127, e the smallest exponent with every |value| <= 127.5 * 2^e. Every quantized
+value is exact in fp32, a value quantizes to itself, so does one a last bit away (hivemind's accumulator scales an
+offer by n and 1/n), and a kept value never quantizes to 0 (|q| >= 1), so the positions of an offer are those of its
+payload.
+
+Payload layout (little-endian): magic `DSPR`, u32 count, u8 positions layout, u8 value type, the positions, then the
+values. Positions are either `count` u32 flat indices (strictly increasing, below the model's element count) or a
+bitmask of the model's elements (bit i of byte i // 8, padding bits 0), whichever is smaller: at top-10% the bitmask
+costs 1/8 byte per element where indices cost 4/10. Only the smaller layout is accepted, so a set of positions has
+one encoding and a payload one bound. Values are `count` f32 (finite), or, as quantized (I8), ceil(count / BLOCK)
+int8 exponents in [-E_MAX, E_MAX] then `count` int8 in [-127, 127]: at top-10% a round costs 0.23 bytes per model
+element. Everything a stranger sends is checked before it is used.
 """
 from __future__ import annotations
 
@@ -27,8 +35,9 @@ import torch
 MAGIC = b"DSPR"
 HEADER = struct.Struct("<4sIBB")
 INDICES, BITMASK = 0, 1  # positions layouts
-F32, F16 = 0, 1  # value types
-F16_MAX = 65504.0
+F32, I8 = 0, 2  # value types
+BLOCK = 64  # kept values per shared exponent
+E_MAX = 120  # |exponent| bound: 127 * 2^120 is a finite fp32, 2^-120 a normal one
 
 
 class BadPayload(ValueError):
@@ -49,20 +58,23 @@ def positions_bytes(count: int, total: int) -> int:
     return min(4 * count, (total + 7) // 8)
 
 
-def payload_bytes(count: int, total: int, half: bool) -> int:
+def values_bytes(count: int, quantized: bool) -> int:
+    return count + -(-count // BLOCK) if quantized else 4 * count
+
+
+def payload_bytes(count: int, total: int, quantized: bool) -> int:
     """Size of a payload of `count` elements of a `total`-element model (the bound of one carrying at most `count`)."""
-    return HEADER.size + positions_bytes(count, total) + (2 if half else 4) * count
+    return HEADER.size + positions_bytes(count, total) + values_bytes(count, quantized)
 
 
-def bytes_per_element(fraction: float, half: bool = True) -> float:
+def bytes_per_element(fraction: float, quantized: bool = True) -> float:
     """Wire bytes per model element of one payload (what the round deadlines are derived from)."""
-    return min(4 * fraction, 1 / 8) + (2 if half else 4) * fraction
+    return min(4 * fraction, 1 / 8) + fraction * ((1 + 1 / BLOCK) if quantized else 4)
 
 
 @torch.no_grad()
-def top_k(tensors: Sequence[torch.Tensor], fraction: float, half: bool = False) -> list[torch.Tensor]:
-    """Each tensor with all but its `kept` largest-magnitude elements set to 0 (ties: the lower index); with `half`,
-    the kept values rounded to fp16 (clamped to its range), as they will travel."""
+def top_k(tensors: Sequence[torch.Tensor], fraction: float) -> list[torch.Tensor]:
+    """Each tensor with all but its `kept` largest-magnitude elements set to 0 (ties: the lower index)."""
     out = []
     for t in tensors:
         flat = t.detach().reshape(-1)
@@ -70,35 +82,70 @@ def top_k(tensors: Sequence[torch.Tensor], fraction: float, half: bool = False) 
         sparse = torch.zeros_like(flat)
         if k:
             idx = torch.topk(flat.abs(), k, sorted=False).indices
-            values = flat[idx]
-            if half:
-                values = values.clamp(-F16_MAX, F16_MAX).half().to(flat.dtype)
-            sparse[idx] = values
+            sparse[idx] = flat[idx]
         out.append(sparse.view_as(t))
     return out
 
 
-def encode(flat: torch.Tensor, half: bool = False) -> bytes:
-    """The non-zero elements of a flat fp32 tensor as a payload; with `half` rounded to fp16 (clamped to its range).
-    A node's offer is rounded before it is offered (`top_k(..., half=True)`), so the rounding is in its error
-    feedback; what is left to round here is the last bit hivemind's accumulator scaling (x n, then x 1/n) moves."""
+def _quantize_values(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(exponent per block, int8 per value) of fp32 `values`, all non-zero."""
+    blocks = -(-values.size // BLOCK)
+    padded = np.zeros(blocks * BLOCK, np.float32)
+    padded[:values.size] = np.abs(values)
+    peak = padded.reshape(blocks, BLOCK).max(axis=1).astype(np.float64)
+    with np.errstate(divide="ignore"):
+        e = np.ceil(np.log2(peak / 127.5))
+    e = np.clip(np.nan_to_num(e, neginf=-E_MAX), -E_MAX, E_MAX)
+    e = np.where(peak > 127.5 * np.exp2(e), e + 1, e)  # log2 a last bit off: the smallest e that fits
+    e = np.where((e > -E_MAX) & (peak <= 127.5 * np.exp2(e - 1)), e - 1, e)
+    e = np.clip(e, -E_MAX, E_MAX).astype(np.int8)
+    scale = np.exp2(np.repeat(e.astype(np.float64), BLOCK)[:values.size])
+    q = np.clip(np.rint(np.abs(values) / scale), 1, 127) * np.sign(values)
+    return e, q.astype(np.int8)
+
+
+def _dequantize(e: np.ndarray, q: np.ndarray) -> np.ndarray:
+    return np.ldexp(q.astype(np.float32), np.repeat(e.astype(np.int32), BLOCK)[:q.size]).astype(np.float32)
+
+
+@torch.no_grad()
+def quantize(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`tensors` with their non-zero values as a payload carries them (blocks in the flat order of the list)."""
+    flat = torch.cat([t.detach().reshape(-1).float() for t in tensors]).numpy()
+    idx = np.flatnonzero(flat)
+    out = np.zeros_like(flat)
+    out[idx] = _dequantize(*_quantize_values(flat[idx]))
+    result, offset = [], 0
+    for t in tensors:
+        result.append(torch.from_numpy(out[offset:offset + t.numel()].copy()).view_as(t).to(t.dtype))
+        offset += t.numel()
+    return result
+
+
+def encode(flat: torch.Tensor, quantized: bool = False) -> bytes:
+    """The non-zero elements of a flat fp32 tensor as a payload; `quantized`: 8-bit values (`quantize`; a node's
+    offer is quantized before it is offered, so this changes nothing of it and the error is in its feedback)."""
     flat = flat.detach().reshape(-1).to(torch.float32)
     total = flat.numel()
     idx = torch.nonzero(flat, as_tuple=True)[0].numpy()
     values = flat.numpy()[idx]
-    wire = np.clip(values, -F16_MAX, F16_MAX).astype("<f2") if half else values.astype("<f4")
+    if quantized:
+        e, q = _quantize_values(values)
+        wire = e.tobytes() + q.tobytes()
+    else:
+        wire = values.astype("<f4").tobytes()
     if (total + 7) // 8 < 4 * idx.size:
         mask = np.zeros(total, dtype=bool)
         mask[idx] = True
         layout, positions = BITMASK, np.packbits(mask, bitorder="little").tobytes()
     else:
         layout, positions = INDICES, idx.astype("<u4").tobytes()
-    return HEADER.pack(MAGIC, idx.size, layout, F16 if half else F32) + positions + wire.tobytes()
+    return HEADER.pack(MAGIC, idx.size, layout, I8 if quantized else F32) + positions + wire
 
 
-def decode(data: bytes, total: int, limit: int, half: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def decode(data: bytes, total: int, limit: int, quantized: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(indices int64, values f32) of a payload for a model of `total` elements carrying at most `limit` of them,
-    with fp16 values if `half` else fp32."""
+    with 8-bit values if `quantized` else fp32."""
     if len(data) < HEADER.size:
         raise BadPayload(f"a payload of {len(data)} bytes has no header")
     magic, count, layout, kind = HEADER.unpack_from(data)
@@ -106,12 +153,12 @@ def decode(data: bytes, total: int, limit: int, half: bool = False) -> tuple[tor
         raise BadPayload(f"not a sparse payload (magic {magic!r})")
     if count > limit:
         raise BadPayload(f"{count} elements, more than the {limit} a round sends")
-    if kind != (F16 if half else F32):
-        raise BadPayload(f"value type {kind}, expected {'f16' if half else 'f32'}")
+    if kind != (I8 if quantized else F32):
+        raise BadPayload(f"value type {kind}, expected {'i8' if quantized else 'f32'}")
     want_layout = BITMASK if (total + 7) // 8 < 4 * count else INDICES
     if layout != want_layout:
         raise BadPayload(f"positions layout {layout} where the smaller one ({want_layout}) is due")
-    expected = payload_bytes(count, total, half)
+    expected = payload_bytes(count, total, quantized)
     if len(data) != expected:
         raise BadPayload(f"{len(data)} bytes for {count} elements (expected {expected})")
     pos_end = HEADER.size + positions_bytes(count, total)
@@ -126,9 +173,19 @@ def decode(data: bytes, total: int, limit: int, half: bool = False) -> tuple[tor
         idx = np.frombuffer(data, "<u4", count, HEADER.size).astype(np.int64)
         if count and (idx[-1] >= total or np.any(np.diff(idx) <= 0)):
             raise BadPayload(f"indices must increase strictly and stay below {total}")
-    values = np.frombuffer(data, "<f2" if half else "<f4", count, pos_end).astype(np.float32)
-    if not np.all(np.isfinite(values)):
-        raise BadPayload("values must be finite")
+    if quantized:
+        blocks = -(-count // BLOCK)
+        e = np.frombuffer(data, np.int8, blocks, pos_end)
+        q = np.frombuffer(data, np.int8, count, pos_end + blocks)
+        if np.any(np.abs(e.astype(np.int32)) > E_MAX):
+            raise BadPayload(f"a block exponent outside [-{E_MAX}, {E_MAX}]")
+        if np.any(q == -128):
+            raise BadPayload("an 8-bit value of -128 (values are in [-127, 127])")
+        values = _dequantize(e, q)
+    else:
+        values = np.frombuffer(data, "<f4", count, pos_end).astype(np.float32)
+        if not np.all(np.isfinite(values)):
+            raise BadPayload("values must be finite")
     return torch.from_numpy(idx.astype(np.int64, copy=False)), torch.from_numpy(values)
 
 
