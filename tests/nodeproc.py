@@ -20,6 +20,8 @@ from typing import Callable, Optional, Sequence
 from tests.netns import is_shm_manager
 
 REPO = Path(__file__).resolve().parent.parent
+# the sync mode of the tests written for per-step mode; a node without --sync runs low-communication rounds
+PER_STEP = ("--sync", "per-step")
 TINY_CONFIG = REPO / "configs" / "tiny.json"
 # Test nodes judge no contribution against a reference of their own (the default judges each against the node's own
 # gradient, docs/robustness.md): most tests send synthetic gradients, random numbers that are no gradient of the

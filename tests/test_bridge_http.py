@@ -489,8 +489,9 @@ def test_losses_and_status(node):
     assert len(losses) == info["updates"]
     status = node.get_json("/api/v1/swarm/status")
     assert status["step"] == info["step"] and status["updates"] == info["updates"]
-    # an open swarm (no --swarm-key), syncing per step: what the dashboard tells its operator
-    assert (status["closed"], status["sync"], status["wire_codec"]) == (False, "per-step", None)
+    # an open swarm (no --swarm-key), in low-communication rounds with the sparse codec (the defaults): what the
+    # dashboard tells its operator
+    assert (status["closed"], status["sync"], status["wire_codec"]) == (False, "low-comm", "sparse")
 
 
 # ---------------------------------------------------------------------------------------------

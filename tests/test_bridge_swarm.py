@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from dtrain.bridge import dgrd
-from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, print_logs, wait_until
+from tests.nodeproc import PER_STEP, TINY_CONFIG, NodeProcess, new_run_id, print_logs, wait_until
 from tests.test_bridge_semantics import download_f32, submit
 
 pytestmark = pytest.mark.swarm
@@ -16,7 +16,7 @@ SAMPLES = 4  # per packet; the swarm's target is both nodes' packets together
 @pytest.mark.timeout(240)
 def test_contributions_to_two_bridges_make_one_swarm_update():
     run_id = new_run_id()
-    args = ["--model-config", str(TINY_CONFIG), "--target-batch-size", str(2 * SAMPLES)]
+    args = [*PER_STEP, "--model-config", str(TINY_CONFIG), "--target-batch-size", str(2 * SAMPLES)]
     a = NodeProcess("A", args, run_id)
     nodes = [a]
     try:

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from dtrain.node.assets import tokenizer_files
-from tests.nodeproc import REPO, NodeProcess, new_run_id, wait_until
+from tests.nodeproc import PER_STEP, REPO, NodeProcess, new_run_id, wait_until
 from tests.test_bridge_semantics import download_f32
 
 pytestmark = pytest.mark.swarm
@@ -48,7 +48,7 @@ def test_a_swarm_from_a_checkpoint_serves_it_and_exports_it(tmp_path):
     run_id = new_run_id()
     nodes = []
     try:
-        a = NodeProcess("A", ["--init-from", str(tmp_path / "founder"), "--target-batch-size", "1"], run_id)
+        a = NodeProcess("A", [*PER_STEP, "--init-from", str(tmp_path / "founder"), "--target-batch-size", "1"], run_id)
         nodes.append(a)
         maddrs = a.wait_ready()
         manifest = a.get_json("/api/v1/model/manifest")["tensors"]
@@ -61,7 +61,7 @@ def test_a_swarm_from_a_checkpoint_serves_it_and_exports_it(tmp_path):
         config = a.get_json("/static/model_config.json")
         assert (config["d_model"], config["n_layers"], config["d_ff"], config["name"]) == (32, 2, 64, "founder")
 
-        b = NodeProcess("B", ["--init-from", str(tmp_path / "joiner")], run_id, initial_peers=maddrs)
+        b = NodeProcess("B", [*PER_STEP, "--init-from", str(tmp_path / "joiner")], run_id, initial_peers=maddrs)
         nodes.append(b)
         b.wait_ready()
         assert b.status()["params_sha256"] == a.status()["params_sha256"]  # the swarm's state, not its own
@@ -105,10 +105,10 @@ def test_a_joiner_of_another_shape_stops_before_it_joins(tmp_path):
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(**{**SHAPE, "n_layer": 1})).save_pretrained(tmp_path / "shallow")
     run_id = new_run_id()
-    a = NodeProcess("A", ["--init-from", str(tmp_path / "founder")], run_id)
+    a = NodeProcess("A", [*PER_STEP, "--init-from", str(tmp_path / "founder")], run_id)
     try:
         maddrs = a.wait_ready()
-        b = NodeProcess("B", ["--init-from", str(tmp_path / "shallow")], run_id, initial_peers=maddrs)
+        b = NodeProcess("B", [*PER_STEP, "--init-from", str(tmp_path / "shallow")], run_id, initial_peers=maddrs)
         try:
             wait_until(lambda: b.proc.poll() is not None, 90, "the joiner of another shape to stop")
             assert b.proc.returncode == 2, b.output()[-3000:]

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, print_logs, start_swarm, wait_until
+from tests.nodeproc import PER_STEP, TINY_CONFIG, NodeProcess, new_run_id, print_logs, start_swarm, wait_until
 from tests.swarmcheck import TENSOR, ByteWatch, Contributions, all_applied, tensor_f32
 
 pytestmark = pytest.mark.swarm
@@ -27,7 +27,7 @@ PER_NODE = 2  # contributors per node per round
 def no_decay(tmp_path):
     path = tmp_path / "train.json"
     path.write_text(json.dumps({"learning_rate": 0.01, "weight_decay": 0.0, "min_nodes_for_update": 1}))
-    return ["--model-config", str(TINY_CONFIG), "--train-config", str(path)]
+    return [*PER_STEP, "--model-config", str(TINY_CONFIG), "--train-config", str(path)]
 
 
 def _assert_every_packet_moved(nodes, contributions: Contributions, before: np.ndarray) -> None:

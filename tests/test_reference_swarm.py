@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, print_logs, wait_until
+from tests.nodeproc import PER_STEP, TINY_CONFIG, NodeProcess, new_run_id, print_logs, wait_until
 from tests.test_bridge_semantics import download_f32
 from tests.test_reference_http import contributor, ledger, post, real_packet
 
@@ -17,7 +17,7 @@ SAMPLES = 2  # per honest packet; the swarm's target is one packet at each node
 @pytest.mark.timeout(240)
 def test_a_scored_out_contributor_gets_403_while_the_swarm_trains_on_honest_gradients():
     run_id = new_run_id()
-    args = ["--model-config", str(TINY_CONFIG), "--target-batch-size", str(2 * SAMPLES), "--reference-batch", "4",
+    args = [*PER_STEP, "--model-config", str(TINY_CONFIG), "--target-batch-size", str(2 * SAMPLES), "--reference-batch", "4",
             "--rate-burst", "100"]
     a = NodeProcess("A", args, run_id)
     nodes = [a]

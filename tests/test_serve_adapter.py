@@ -12,7 +12,7 @@ import pytest
 
 from dtrain.node.serve.adapter import adapter_digest, adapter_seed
 from dtrain.node.split.experts import LoraExpert
-from tests.nodeproc import REPO, TINY_CONFIG, NodeProcess, new_run_id, print_logs, wait_until
+from tests.nodeproc import PER_STEP, REPO, TINY_CONFIG, NodeProcess, new_run_id, print_logs, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
@@ -27,7 +27,7 @@ def pair(tmp_path_factory):
     run_id = new_run_id()
 
     def args(name: str) -> list[str]:
-        return ["--model-config", str(TINY_CONFIG), "--no-data", "--feedback-lora", ADAPTER,
+        return [*PER_STEP, "--model-config", str(TINY_CONFIG), "--no-data", "--feedback-lora", ADAPTER,
                 "--feedback-lora-target", "2", "--feedback-lora-lr", "0.05", "--feedback-interval", "0.5",
                 "--capture-db", str(tmp / f"{name}.sqlite")]
     nodes = [NodeProcess("A", args("A"), run_id)]
@@ -120,7 +120,7 @@ def test_bad_adapter_requests_get_openai_errors(pair):
 
 
 def test_adapter_named_like_the_shared_model_is_refused_before_the_node_starts(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "dtrain.cli", "--model-config", str(TINY_CONFIG), "--feedback-lora",
+    out = subprocess.run([sys.executable, "-m", "dtrain.cli", *PER_STEP, "--model-config", str(TINY_CONFIG), "--feedback-lora",
                           MODEL, "--capture-db", str(tmp_path / "c.sqlite")], cwd=REPO, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2 and f"--feedback-lora {MODEL!r}" in out.stderr, out.stderr

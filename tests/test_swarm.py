@@ -13,7 +13,8 @@ import pytest
 from dtrain.bridge import dgrd
 from dtrain.node.swarm.records import RECORD_TTL_S as NODES_TTL_S
 from tests.texts import shakespeare
-from tests.nodeproc import REPO, TINY_CONFIG, NodeProcess, new_run_id, pid_alive, print_logs, start_swarm, wait_until
+from tests.nodeproc import (PER_STEP, REPO, TINY_CONFIG, NodeProcess, new_run_id, pid_alive, print_logs, start_swarm,
+                            wait_until)
 from tests.test_bridge_semantics import submit
 
 pytestmark = pytest.mark.swarm
@@ -30,7 +31,7 @@ def text_file(tmp_path):
 
 def _train_args(text_file, peers: int, extra=()):
     # one update needs every peer's batch: peers stay in lockstep and all-reduce together
-    return ["--model-config", str(TINY_CONFIG), "--train-data", str(text_file),
+    return [*PER_STEP, "--model-config", str(TINY_CONFIG), "--train-data", str(text_file),
             "--local-batch-size", str(BATCH), "--local-seq-len", "32", "--local-samples-per-update", str(BATCH),
             "--target-batch-size", str(BATCH * peers), *extra]
 
@@ -84,7 +85,8 @@ def test_late_joiner_catches_up_before_serving(text_file):
     nodes = start_swarm(2, args, run_id)
     try:
         wait_until(lambda: min(max(n.digests(), default=0) for n in nodes) >= 3, 120, "two epochs")
-        late = NodeProcess("late", ["--model-config", str(TINY_CONFIG)], run_id, initial_peers=nodes[0].wait_ready())
+        late = NodeProcess("late", [*PER_STEP, "--model-config", str(TINY_CONFIG)], run_id,
+                           initial_peers=nodes[0].wait_ready())
         nodes.append(late)
         late.wait_ready()
         first_step, first_digest = min(late.digests().items())
@@ -108,7 +110,7 @@ def test_joiner_of_an_idle_swarm_checks_its_download():
     """Peers keep the digest of the step they serve in the DHT: a node joining a swarm that has been idle for
     longer than a record's lifetime still checks what it downloaded, at once."""
     run_id = new_run_id()
-    a = NodeProcess("A", ["--model-config", str(TINY_CONFIG), "--target-batch-size", "4"], run_id)
+    a = NodeProcess("A", [*PER_STEP, "--model-config", str(TINY_CONFIG), "--target-batch-size", "4"], run_id)
     nodes = [a]
     try:
         a.wait_ready()
@@ -118,7 +120,7 @@ def test_joiner_of_an_idle_swarm_checks_its_download():
         assert status == 200, body
         wait_until(lambda: 2 in a.digests(), 60, "A's update")
         time.sleep(NODES_TTL_S + 2)  # every record published with the update has expired unless refreshed
-        b = NodeProcess("B", ["--model-config", str(TINY_CONFIG)], run_id, initial_peers=a.wait_ready())
+        b = NodeProcess("B", [*PER_STEP, "--model-config", str(TINY_CONFIG)], run_id, initial_peers=a.wait_ready())
         nodes.append(b)
         b.wait_ready()
         assert "No peer published its parameters" not in b.output(), b.output()[-3000:]
@@ -130,14 +132,14 @@ def test_joiner_of_an_idle_swarm_checks_its_download():
 @pytest.mark.timeout(120)
 def test_cli_join_report_and_sigterm(tmp_path):
     run_id = new_run_id()
-    a = NodeProcess("A", ["--model-config", str(TINY_CONFIG)], run_id)
+    a = NodeProcess("A", [*PER_STEP, "--model-config", str(TINY_CONFIG)], run_id)
     nodes = [a]
     try:
         maddrs = a.wait_ready()
         # peer ids are sha2-256 hashes of RSA keys: a node signs its records with its libp2p identity
         assert maddrs and all("/p2p/Qm" in m for m in maddrs)
         assert f"dtrain-node --initial-peers {maddrs[0]}" in a.output()
-        b = NodeProcess("B", ["--model-config", str(TINY_CONFIG),
+        b = NodeProcess("B", [*PER_STEP, "--model-config", str(TINY_CONFIG),
                               "--identity-path", str(tmp_path / "b.key")], run_id, initial_peers=maddrs)
         nodes.append(b)
         b.wait_ready()
@@ -153,7 +155,7 @@ def test_cli_join_report_and_sigterm(tmp_path):
         for pid in children:
             wait_until(lambda: not pid_alive(pid), 5, f"child {pid} to exit")
         # a stable identity: the same key file gives the same peer id on restart
-        b2 = NodeProcess("B2", ["--model-config", str(TINY_CONFIG),
+        b2 = NodeProcess("B2", [*PER_STEP, "--model-config", str(TINY_CONFIG),
                                 "--identity-path", str(tmp_path / "b.key")], new_run_id())
         nodes.append(b2)
         b2.wait_ready()
@@ -180,7 +182,7 @@ def test_checkpoint_round_trip(text_file, tmp_path):
                               str(tmp_path / "hf")], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0 and last_digest in out.stdout, out.stderr
         assert f"step {last_step}" in (tmp_path / "hf" / "README.md").read_text()
-        restarted = NodeProcess("A2", ["--model-config", str(TINY_CONFIG), "--checkpoint-dir", str(ckpt_dir)],
+        restarted = NodeProcess("A2", [*PER_STEP, "--model-config", str(TINY_CONFIG), "--checkpoint-dir", str(ckpt_dir)],
                                 new_run_id())
         try:
             restarted.wait_ready()

@@ -23,7 +23,7 @@ from dtrain.node.swarm import optimizer as swarm_optimizer
 from dtrain.node.swarm.presence import Presence, presence_key, presence_validator
 from dtrain.node.swarm.records import RecordOwner, identity_kwargs, read, store
 from dtrain.node.swarm.swarmkey import SwarmJoinError, SwarmKeyAuthorizer, keyed_run_id
-from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, print_logs, start_swarm
+from tests.nodeproc import PER_STEP, TINY_CONFIG, NodeProcess, new_run_id, print_logs, start_swarm
 from tests.texts import shakespeare
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
@@ -207,12 +207,12 @@ def test_nodes_with_the_key_train_in_lockstep_and_a_node_with_another_key_stops(
     nodes = start_swarm(2, _train_args(text, 2, ["--swarm-key", str(key_file)]), run_id)
     try:
         maddrs = nodes[0].wait_ready()
-        other = NodeProcess("other-key", ["--model-config", str(TINY_CONFIG), "--swarm-key", str(other_file)],
+        other = NodeProcess("other-key", [*PER_STEP, "--model-config", str(TINY_CONFIG), "--swarm-key", str(other_file)],
                             run_id, initial_peers=maddrs)
         nodes.append(other)
         assert other.proc.wait(120) == 2, other.output()[-3000:]
         assert "none of the initial peers answered with this --swarm-key" in other.output()
-        keyless = NodeProcess("keyless", ["--model-config", str(TINY_CONFIG)], run_id, initial_peers=maddrs)
+        keyless = NodeProcess("keyless", [*PER_STEP, "--model-config", str(TINY_CONFIG)], run_id, initial_peers=maddrs)
         nodes.append(keyless)
         assert keyless.proc.wait(120) != 0, keyless.output()[-3000:]
         assert "bootstrap failed" in keyless.output()

@@ -21,9 +21,12 @@ pytestmark = pytest.mark.unit
 TRAIN = TrainConfig(min_nodes_for_update=2)
 
 
-@pytest.fixture(scope="module")
-def node():
-    config = NodeConfig(swarm=SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), run_id=new_run_id()))
+@pytest.fixture(scope="module", params=["low-comm", "per-step"])
+def node(request):
+    """A node alone is the spec's single server in either sync mode (low-comm, the default: each inner update is
+    an update)."""
+    config = NodeConfig(swarm=SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), run_id=new_run_id(),
+                                          sync=request.param))
     node = TrainingNode(config, ModelConfig.load(TINY_CONFIG), TRAIN)
     node.start()
     try:

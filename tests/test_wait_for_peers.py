@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, shown_on_failure, wait_until
+from tests.nodeproc import PER_STEP, TINY_CONFIG, NodeProcess, new_run_id, shown_on_failure, wait_until
 from tests.texts import shakespeare
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
@@ -17,7 +17,7 @@ ALONE_S = 8.0  # a founder alone with local data makes several updates in this t
 def test_a_founder_waits_for_its_peer_then_both_train_from_the_first_state(tmp_path):
     text = tmp_path / "train.txt"
     text.write_text(shakespeare(30_000))
-    args = ["--model-config", str(TINY_CONFIG), "--train-data", str(text), "--local-batch-size", "2",
+    args = [*PER_STEP, "--model-config", str(TINY_CONFIG), "--train-data", str(text), "--local-batch-size", "2",
             "--local-seq-len", "32", "--wait-for-peers", "2"]
     run_id, nodes = new_run_id(), []
     with shown_on_failure(nodes):

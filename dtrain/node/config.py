@@ -121,17 +121,17 @@ class SwarmConfig:
 
     # how the swarm syncs (docs/low-communication.md): every update all-reduces the gradient and the optimizer
     # state, or rounds of inner updates on each node, then one all-reduce of the pseudo-gradients
-    sync: str = option("per-step", "--sync", "per-step: every update averages gradients, parameters and Adam "
+    sync: str = option("low-comm", "--sync", "per-step: every update averages gradients, parameters and Adam "
                        "moments; low-comm: --inner-steps AdamW updates on each node, then one averaged outer "
                        "Nesterov step", choices=("per-step", "low-comm"))
-    inner_steps: int = option(50, "--inner-steps", "low-comm: inner updates of a node between outer rounds")
+    inner_steps: int = option(10, "--inner-steps", "low-comm: inner updates of a node between outer rounds")
     outer_lr: float = option(0.7, "--outer-lr", "low-comm: outer Nesterov SGD learning rate")
     outer_momentum: float = option(0.9, "--outer-momentum", "low-comm: outer Nesterov SGD momentum")
-    wire_codec: str = option("fp16", "--wire-codec", "low-comm: the pseudo-gradient on the wire: fp16 or fp32 "
+    wire_codec: str = option("sparse", "--wire-codec", "low-comm: the pseudo-gradient on the wire: fp16 or fp32 "
                              "(dense all-reduce, then the parameters are averaged), or sparse (top-k with error "
                              "feedback, exchanged member to member: every node computes the same average)",
                              choices=("fp16", "fp32", "sparse"))
-    topk_fraction: float = option(0.1, "--topk-fraction", "low-comm, sparse codec: the fraction of each tensor's "
+    topk_fraction: float = option(0.2, "--topk-fraction", "low-comm, sparse codec: the fraction of each tensor's "
                                   "elements a round sends; the rest waits in the node's error feedback")
     link_mbit: float = option(10.0, "--link-mbit", "low-comm: the slowest link's rate, Mbit/s (default: a home "
                               "uplink); the all-reduce deadline grows to fit its bytes at this rate (0: "
