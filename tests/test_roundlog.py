@@ -92,3 +92,11 @@ def test_a_replay_gives_the_bits_of_the_updates_it_replays():
         assert torch.equal(a, b)
         assert torch.equal(live_opt.state[a]["momentum_buffer"], again_opt.state[b]["momentum_buffer"])
     assert again_opt.passthrough
+
+
+def test_a_node_replays_only_while_the_rounds_cost_less_than_the_state():
+    # three peers at top-20%: an average marks up to 60% of the model (a bitmask) in f32, 2.525 bytes per element
+    per_round = roundlog.replay_bytes_per_element(3, 0.2)
+    assert per_round == pytest.approx(1 / 8 + 4 * 0.6)
+    assert 3 * per_round < roundlog.STATE_BYTES_PER_ELEMENT <= 4 * per_round
+    assert roundlog.replay_bytes_per_element(10, 0.2) == pytest.approx(1 / 8 + 4.0)  # never more than dense

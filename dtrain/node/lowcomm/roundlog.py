@@ -48,6 +48,15 @@ class BadRoundLog(ValueError):
     """An answer that is not the rounds asked for, in this format, for a model of this size."""
 
 
+STATE_BYTES_PER_ELEMENT = 8.0  # a download: the parameters and the outer momentum, fp32
+
+
+def replay_bytes_per_element(peers: int, fraction: float) -> float:
+    """Bytes per model element of one round's average in the log, at most: `peers` payloads' positions, f32 values."""
+    density = min(1.0, peers * fraction)
+    return min(4 * density, 1 / 8) + 4 * density
+
+
 def entry_limit(sizes: Sequence[int], fraction: float) -> int:
     """Elements one round's average may carry: MAX_GROUP members' payloads, at most the whole model."""
     return min(sum(sizes), MAX_GROUP * sparse.max_kept(sizes, fraction))
@@ -221,7 +230,7 @@ class CatchUp:
         if not 0 < count <= MAX_ROUNDS:
             return False
         peers = max(2, opt.tracker.global_progress.num_peers)
-        if count * min(1.0, peers * self._fraction) >= 1.0:  # the averages would outweigh the state (8 B/param)
+        if count * replay_bytes_per_element(peers, self._fraction) >= STATE_BYTES_PER_ELEMENT:
             logger.info(f"{count} rounds behind among {peers} peers at top-{self._fraction:g}: downloading the state "
                         f"costs less than replaying them")
             return False
