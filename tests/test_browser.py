@@ -19,7 +19,7 @@ from dtrain.node.config import ModelConfig
 from dtrain.node.model import build_model
 from dtrain.node.tokenizer import load_tokenizer
 from tests import browser
-from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, wait_until
+from tests.nodeproc import PER_STEP, TINY_CONFIG, NodeProcess, new_run_id, wait_until
 from tests.test_dgrd_js import CASES
 from tests.test_tokenizer_js import STRESS_TEXT
 from tests.texts import shakespeare
@@ -225,8 +225,9 @@ def test_trainer_refetches_the_model_on_409(page, tiny_node):
 def training_node(tmp_path):
     text = tmp_path / "train.txt"
     text.write_text(shakespeare(50_000))
-    # it hands out batches of its text; one sample of its own per update, and updates need many samples: idle
-    proc = NodeProcess("contribute", ["--model-config", str(TINY_CONFIG), "--train-data", str(text),
+    # it hands out batches of its text; one sample of its own per update, and updates need many samples: idle (in
+    # per-step mode: a low-comm node alone makes each of its own batches an update, and the page's step would move)
+    proc = NodeProcess("contribute", [*PER_STEP, "--model-config", str(TINY_CONFIG), "--train-data", str(text),
                                       "--local-samples-per-update", "1", "--local-batch-size", "1",
                                       "--target-batch-size", "100000"], new_run_id())
     try:
