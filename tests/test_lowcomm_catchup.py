@@ -3,7 +3,9 @@
 fetches only what those rounds applied from a peer, computes the swarm's state of the current epoch exactly, and
 trains with the others, every node serving the same bytes for the same step.
 
-A and B share a segment with unlimited links; C's link is shaped to RATE_MBIT both ways (tests.netns, tbf).
+A and B share a segment with unlimited links; C is a home node: behind a NAT router, so it joins as a client-mode
+peer (it dials out only, and swaps payloads with A and B by dialing them), its link shaped to RATE_MBIT both ways
+(tests.netns, tbf).
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ def test_a_joiner_over_a_slow_link_catches_up_by_replaying_rounds(tmp_path):
             "--topk-fraction", "0.01"]
     run_id, nodes = new_run_id(), []
     with netns.Net() as net:
-        hosts = {"A": net.host("a"), "B": net.host("b"), "C": net.host("c", rate_mbit=RATE_MBIT)}
+        router = net.nat_router()
+        hosts = {"A": net.host("a"), "B": net.host("b"), "C": net.host("c", rate_mbit=RATE_MBIT, behind=router)}
 
         def start(name, peers=()):
             node = NodeProcess(name, args, run_id, initial_peers=peers, netns=hosts[name],
@@ -51,6 +54,7 @@ def test_a_joiner_over_a_slow_link_catches_up_by_replaying_rounds(tmp_path):
             wait_until(lambda: min(n.status()["updates"] for n in nodes) >= 2, 120, "two rounds of A and B", 0.5)
             c = start("C", peers)
             c.wait_ready(240)
+            assert c.status()["reachability"]["mode"] == "client", c.status()["reachability"]
             wait_until(lambda: REPLAYED.search(c.output()), 180, "C catching up by replay", 1.0)
             behind = [tuple(map(int, m.groups())) for m in REPLAYED.finditer(c.output())]
             assert all(to - have == count and count >= 1 for have, to, count in behind), behind
