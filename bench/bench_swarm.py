@@ -21,14 +21,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dtrain.node.corpus import default_text  # noqa: E402
-from tests.nodeproc import REPO, TINY_CONFIG, NodeProcess, new_run_id, start_swarm, wait_until  # noqa: E402
+from tests.nodeproc import PER_STEP, REPO, TINY_CONFIG, NodeProcess, new_run_id, start_swarm, wait_until  # noqa: E402
 from tests.swarmcheck import ByteWatch, Contributions, all_applied  # noqa: E402
 
 TIMEOUTS = dict(matchmaking=2.5, averaging=8.0, request=1.0)  # tests/nodeproc.py's, for both swarms
 
 
 def contributors_row(n: int, rounds: int, train_config: Path) -> dict:
-    nodes = start_swarm(n, ["--model-config", str(TINY_CONFIG), "--train-config", str(train_config)], new_run_id())
+    # per-step mode: every packet's update on every node, and the s/update of a bare hivemind.Optimizer to compare
+    nodes = start_swarm(n, [*PER_STEP, "--model-config", str(TINY_CONFIG), "--train-config", str(train_config)],
+                        new_run_id())
     try:
         step0 = nodes[0].status()["step"]
         contributions = Contributions(tensor_elements=nodes[0].get_json("/api/v1/model/manifest")["tensors"][0]
@@ -53,7 +55,7 @@ def contributors_row(n: int, rounds: int, train_config: Path) -> dict:
 
 
 def dtrain_update_s(epochs: int, text: Path) -> float:
-    args = ["--model-config", str(TINY_CONFIG), "--train-data", str(text), "--local-batch-size", "8",
+    args = [*PER_STEP, "--model-config", str(TINY_CONFIG), "--train-data", str(text), "--local-batch-size", "8",
             "--local-seq-len", "32", "--local-samples-per-update", "8", "--target-batch-size", "24"]
     nodes = start_swarm(3, args, new_run_id())
     try:
