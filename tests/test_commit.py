@@ -5,12 +5,13 @@ it: 2.0 is the average over all three, 1.5 over the first two, a member's own co
 member is frozen (SIGSTOP) in the middle of the all-reduce for longer than the others wait for a chunk, then resumed:
 hivemind's own averager hands the members results that mix those cases, which is what the commit step exists for.
 
-The frozen member stops itself when the first part of another member reaches it, so the freeze always falls inside
-the all-reduce: a freeze timed from outside lands after the round on a machine fast enough, or busy enough to
+The frozen member stops itself when the first part of another member reaches it, once its own round is registered,
+so the freeze always falls inside the all-reduce: a freeze timed from outside lands after the round on a machine fast enough, or busy enough to
 schedule the test late.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import multiprocessing as mp
 import os
@@ -26,6 +27,7 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.optim.grad_averager import GradientAverager
+from hivemind.utils.asyncio import achain, as_aiter
 
 from dtrain.node.swarm.commit import AbortedRound, CommittingGradientAverager
 from dtrain.node.swarm.records import RecordOwner, identity_kwargs
@@ -54,7 +56,14 @@ def freezable(base: type) -> type:
                                      context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
             if self.freeze.is_set():
                 self.freeze.clear()
+                # a member that had the group first may send its part before this member registered the group;
+                # freeze once it has (hivemind then sets the stage to RUNNING_ALLREDUCE with no await between)
+                request = await anext(stream)
+                deadline = asyncio.get_event_loop().time() + STEP_TIMEOUT_S
+                while request.group_id not in self._running_groups and asyncio.get_event_loop().time() < deadline:
+                    await asyncio.sleep(0.001)
                 os.kill(os.getpid(), signal.SIGSTOP)  # the test's process resumes it
+                stream = achain(as_aiter(request), stream)
             async for message in super().rpc_aggregate_part(stream, context):
                 yield message
 
