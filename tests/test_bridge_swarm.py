@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from dtrain.bridge import dgrd
-from tests.nodeproc import PER_STEP, TINY_CONFIG, NodeProcess, new_run_id, print_logs, wait_until
+from tests.nodeproc import PER_STEP, TINY_CONFIG, NodeProcess, new_run_id, shown_on_failure, wait_until
 from tests.test_bridge_semantics import download_f32, submit
 
 pytestmark = pytest.mark.swarm
@@ -19,7 +19,7 @@ def test_contributions_to_two_bridges_make_one_swarm_update():
     args = [*PER_STEP, "--model-config", str(TINY_CONFIG), "--target-batch-size", str(2 * SAMPLES)]
     a = NodeProcess("A", args, run_id)
     nodes = [a]
-    try:
+    with shown_on_failure(nodes):
         b = NodeProcess("B", args, run_id, initial_peers=a.wait_ready())
         nodes.append(b)
         b.wait_ready()
@@ -54,9 +54,3 @@ def test_contributions_to_two_bridges_make_one_swarm_update():
         # a node's loss history records the contributions it received (its own share of the update)
         assert a.get_json("/api/v1/server/losses") == [pytest.approx(3.0)]
         assert b.get_json("/api/v1/server/losses") == [pytest.approx(4.0)]
-    except BaseException:
-        print_logs(nodes)
-        raise
-    finally:
-        for node in nodes:
-            node.kill()

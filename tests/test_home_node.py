@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests import netns
-from tests.nodeproc import PER_STEP, TINY_CONFIG, NodeProcess, new_run_id, print_logs, wait_until
+from tests.nodeproc import PER_STEP, TINY_CONFIG, NodeProcess, new_run_id, shown_on_failure, wait_until
 from tests.swarmcheck import TENSOR, ByteWatch, Contributions, all_applied, tensor_f32
 
 REASON = netns.unavailable_reason()
@@ -48,7 +48,7 @@ def test_node_behind_nat_joins_as_client_and_its_packets_are_applied_everywhere(
     with netns.Net() as net:
         router = net.nat_router()
         hosts = {"A": net.host("a"), "B": net.host("b"), "H": net.host("home", behind=router)}
-        try:
+        with shown_on_failure(nodes):
             a = start("A", no_decay, run_id, hosts["A"])
             nodes.append(a)
             a.wait_ready()
@@ -98,9 +98,3 @@ def test_node_behind_nat_joins_as_client_and_its_packets_are_applied_everywhere(
                 assert not lost, f"node {node.name}: {len(lost)} packets moved nothing: {lost[:3]}"
             for node in nodes:
                 node.terminate()
-        except BaseException:
-            print_logs(nodes)
-            raise
-        finally:
-            for node in nodes:
-                node.kill()

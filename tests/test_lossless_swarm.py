@@ -14,7 +14,8 @@ import time
 import numpy as np
 import pytest
 
-from tests.nodeproc import PER_STEP, TINY_CONFIG, NodeProcess, new_run_id, print_logs, start_swarm, wait_until
+from tests.nodeproc import (PER_STEP, TINY_CONFIG, NodeProcess, new_run_id, shown_on_failure, start_swarm,
+                            wait_until)
 from tests.swarmcheck import TENSOR, ByteWatch, Contributions, all_applied, tensor_f32
 
 pytestmark = pytest.mark.swarm
@@ -43,7 +44,7 @@ def _assert_every_packet_moved(nodes, contributions: Contributions, before: np.n
 @pytest.mark.parametrize("peers", [2, 3])
 def test_every_accepted_packet_is_applied_on_every_node(no_decay, peers):
     nodes = start_swarm(peers, no_decay, new_run_id())
-    try:
+    with shown_on_failure(nodes):
         _, before = tensor_f32(nodes[0], TENSOR)
         contributions = Contributions(tensor_elements=before.size)
         rng = random.Random(peers)
@@ -61,12 +62,6 @@ def test_every_accepted_packet_is_applied_on_every_node(no_decay, peers):
         _assert_every_packet_moved(nodes, contributions, before)
         for node in nodes:
             node.terminate()
-    except BaseException:
-        print_logs(nodes)
-        raise
-    finally:
-        for node in nodes:
-            node.kill()
 
 
 @pytest.mark.timeout(480)
@@ -77,7 +72,7 @@ def test_a_killed_peer_costs_nothing_accepted_and_returns_with_the_swarms_bytes(
     c = NodeProcess("C", [*no_decay, *ckpt], run_id, initial_peers=nodes[0].wait_ready())
     nodes.append(c)
     everyone = list(nodes)
-    try:
+    with shown_on_failure(everyone):
         c.wait_ready()
         _, before = tensor_f32(nodes[0], TENSOR)
         contributions = Contributions(tensor_elements=before.size)
@@ -104,9 +99,3 @@ def test_a_killed_peer_costs_nothing_accepted_and_returns_with_the_swarms_bytes(
             wait_until(lambda: all_applied([*survivors, c2]), 180, "a round with C back", 1.0)
         assert not watch.conflicts, watch.conflicts[:5]
         _assert_every_packet_moved([*survivors, c2], contributions, before)
-    except BaseException:
-        print_logs(everyone)
-        raise
-    finally:
-        for node in everyone:
-            node.kill()

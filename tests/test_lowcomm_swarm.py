@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.nodeproc import TINY_CONFIG, new_run_id, print_logs, start_swarm, wait_until
+from tests.nodeproc import TINY_CONFIG, new_run_id, shown_on_failure, start_swarm, wait_until
 from tests.swarmcheck import ByteWatch
 from tests.texts import shakespeare
 
@@ -27,7 +27,7 @@ def args(tmp_path):
 @pytest.mark.parametrize("codec", ["fp16", "sparse"])
 def test_two_nodes_average_outer_rounds_and_serve_equal_bytes(args, codec):
     nodes = start_swarm(2, [*args, "--wire-codec", codec, "--topk-fraction", "0.05"], new_run_id())
-    try:
+    with shown_on_failure(nodes):
         start = max(n.status()["step"] for n in nodes)
         with ByteWatch(nodes) as watch:
             wait_until(lambda: min(n.status()["step"] for n in nodes) >= start + ROUNDS, 150, "the outer rounds", 0.5)
@@ -44,9 +44,3 @@ def test_two_nodes_average_outer_rounds_and_serve_equal_bytes(args, codec):
                 assert not differ, differ
         for node in nodes:
             node.terminate()
-    except BaseException:
-        print_logs(nodes)
-        raise
-    finally:
-        for node in nodes:
-            node.kill()

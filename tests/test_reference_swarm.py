@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.nodeproc import PER_STEP, TINY_CONFIG, NodeProcess, new_run_id, print_logs, wait_until
+from tests.nodeproc import PER_STEP, TINY_CONFIG, NodeProcess, new_run_id, shown_on_failure, wait_until
 from tests.test_bridge_semantics import download_f32
 from tests.test_reference_http import contributor, ledger, post, real_packet
 
@@ -21,7 +21,7 @@ def test_a_scored_out_contributor_gets_403_while_the_swarm_trains_on_honest_grad
             "--rate-burst", "100"]
     a = NodeProcess("A", args, run_id)
     nodes = [a]
-    try:
+    with shown_on_failure(nodes):
         b = NodeProcess("B", args, run_id, initial_peers=a.wait_ready())
         nodes.append(b)
         b.wait_ready()
@@ -53,9 +53,3 @@ def test_a_scored_out_contributor_gets_403_while_the_swarm_trains_on_honest_grad
             assert (record["samples_credited"], record["agreed"], record["disagreed"]) == (SAMPLES, 1, 0)
         assert "flipper" not in ledger(b)  # B never saw it: each node judges what it is sent
         assert ledger(a)["flipper"]["rejected"] == {"scored_out": 1}
-    except BaseException:
-        print_logs(nodes)
-        raise
-    finally:
-        for node in nodes:
-            node.kill()

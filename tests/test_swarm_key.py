@@ -23,7 +23,7 @@ from dtrain.node.swarm import optimizer as swarm_optimizer
 from dtrain.node.swarm.presence import Presence, presence_key, presence_validator
 from dtrain.node.swarm.records import RecordOwner, identity_kwargs, read, store
 from dtrain.node.swarm.swarmkey import SwarmJoinError, SwarmKeyAuthorizer, keyed_run_id
-from tests.nodeproc import PER_STEP, TINY_CONFIG, NodeProcess, new_run_id, print_logs, start_swarm
+from tests.nodeproc import PER_STEP, TINY_CONFIG, NodeProcess, new_run_id, shown_on_failure, start_swarm
 from tests.texts import shakespeare
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
@@ -205,7 +205,7 @@ def test_nodes_with_the_key_train_in_lockstep_and_a_node_with_another_key_stops(
     text.write_text(shakespeare(30_000))
     run_id = new_run_id()
     nodes = start_swarm(2, _train_args(text, 2, ["--swarm-key", str(key_file)]), run_id)
-    try:
+    with shown_on_failure(nodes):
         maddrs = nodes[0].wait_ready()
         other = NodeProcess("other-key", [*PER_STEP, "--model-config", str(TINY_CONFIG), "--swarm-key", str(other_file)],
                             run_id, initial_peers=maddrs)
@@ -223,9 +223,3 @@ def test_nodes_with_the_key_train_in_lockstep_and_a_node_with_another_key_stops(
             # another key or none asked for a dial-back check and were refused
             refused = [line for line in node.output().splitlines() if "did not prove the swarm key" in line]
             assert not [line for line in refused if any(peer in line for peer in keyed)], refused
-    except BaseException:
-        print_logs(nodes)
-        raise
-    finally:
-        for node in nodes:
-            node.kill()
