@@ -29,7 +29,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.utils.asyncio import achain, as_aiter
 
-from dtrain.node.swarm.commit import AbortedRound, CommittingGradientAverager
+from dtrain.node.swarm.commit import AbortedRound, CommittingGradientAverager, chunk_timeout
 from dtrain.node.swarm.records import RecordOwner, identity_kwargs
 from tests.nodeproc import new_run_id
 
@@ -166,6 +166,18 @@ def test_a_member_frozen_mid_round_aborts_the_round_on_every_member(committing):
     assert_aborted_everywhere(run_round(committing, freeze=True))
     # and the group goes on: the next round is complete again
     test_a_complete_round_is_applied_by_every_member_as_the_average_of_all(committing)
+
+
+def test_a_member_slow_within_the_commit_window_does_not_abort_the_round():
+    """With the node's chunk timeout, the same freeze is a slow member, not a failed one: every member applies the
+    average of all three. (hivemind's default, the matchmaking time, drops the member's parts as above.)"""
+    patient = dict(OPTS, next_chunk_timeout=chunk_timeout(OPTS["allreduce_timeout"]))
+    assert patient["next_chunk_timeout"] > FROZEN_S + 2
+    committing_class = freezable(CommittingGradientAverager)
+    with averagers(lambda i, owner: partial(committing_class, record_subkey=owner.subkey), **patient) as members:
+        for i, (result, values) in enumerate(run_round(members, freeze=True)):
+            assert applied(result), f"member {i}: {result}"
+            assert values == [2.0], f"member {i} was handed {values}, not the average over all three (2.0)"
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="hivemind's own averager hands members partial averages: what node.commit "

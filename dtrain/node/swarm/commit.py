@@ -56,6 +56,19 @@ def commit_window(allreduce_timeout: float) -> tuple[float, float]:
     return decide_by - wait, decide_by
 
 
+def chunk_timeout(allreduce_timeout: float) -> float:
+    """How long a member waits for another member's next chunk before hivemind gives up on that member's parts.
+
+    hivemind's default is the matchmaking time (seconds): a member whose process is slow for that long, on a busy
+    host or behind a saturated uplink, has its parts dropped, and the commit step then aborts a round that would
+    have completed. A member that died closes its streams, which fails its parts at once, so the only member this
+    wait catches is a slow live one; and a round is judged by the commit step, which counts an all-reduce that ends
+    by `publish_by`. So a chunk may take until then.
+    """
+    publish_by, _ = commit_window(allreduce_timeout)
+    return publish_by
+
+
 def incompleteness(runner: AllReduceRunner) -> Optional[str]:
     """Why this member's result is not the average over every member, or None when it is."""
     container, reducer = runner.tensor_part_container, runner.tensor_part_reducer

@@ -29,7 +29,7 @@ from hivemind.utils.logging import get_logger
 
 from dtrain.node.lowcomm import codec as lowcomm_codec
 from dtrain.node.lowcomm.gather import SparseGatherAverager
-from dtrain.node.swarm.commit import AbortedRound, CommittingGradientAverager
+from dtrain.node.swarm.commit import AbortedRound, CommittingGradientAverager, chunk_timeout
 from dtrain.node.swarm.keygate import KeyGatedServicer, start_prover
 from dtrain.node.swarm.presence import presence_validator
 from dtrain.node.swarm.records import RecordOwner, identity_kwargs
@@ -470,6 +470,7 @@ class Swarm:
                 optimizer=local_optimizer,
                 matchmaking_time=config.matchmaking_time_s,
                 averaging_timeout=config.averaging_timeout_s,
+                next_chunk_timeout=chunk_timeout(config.averaging_timeout_s),  # also bounds a state download's chunks
                 load_state_timeout=config.load_state_timeout_s,
                 delay_state_averaging=False,
                 client_mode=client,  # hivemind 1.1.12 takes the DHT's mode when this is given at all
