@@ -94,7 +94,8 @@ def build(config: NodeConfig) -> Built:
     node = TrainingNode(config, model_config, train_config, dataset,
                         reference_data=own if config.reference_batch > 0 else None,
                         init_params=imported.params if imported is not None else None)
-    logger.info(f"Model {model_config.name}: {node.total_params:,} parameters; joining the swarm")
+    logger.info(f"Model {model_config.name}: {node.total_params:,} parameters, computed on {node.device.describe()} "
+                f"(fp32 master weights on the CPU); joining the swarm")
     node.start()  # on the main thread: hivemind's averagers install signal handlers
     try:
         split = for_node(node, config.split, tokenizer)

@@ -265,6 +265,9 @@ def _schemas() -> dict:
             "closed": {"type": "boolean", "description": "a closed swarm (--swarm-key): only peers that hold the key "
                        "can join; open otherwise (docs/peers.md)"},
             "sync": {"enum": ["per-step", "low-comm"]},
+            "device": {"type": "object", "description": "where forward and backward passes run (--device); the "
+                       "fp32 master weights stay on the CPU", "properties": {
+                "device": string, "name": string, "precision": {"enum": ["fp32", "bf16 autocast"]}}},
             "wire_codec": {"enum": ["fp16", "fp32", "sparse", None], "description": "low-comm: the pseudo-gradient "
                            "on the wire (null in per-step mode)"},
             "reachability": {"type": "object", "description": "how this node takes part in the swarm "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -201,6 +202,11 @@ class NodeConfig:
                                  "included) have joined the swarm, so that a run starts from one state on every "
                                  "node; browsers' packets are taken meanwhile (1: at once)")
     log_level: str = option("INFO", "--log-level", "DEBUG, INFO, WARNING")
+    # where forward and backward passes run (training, /v1, split inference); the swarm's fp32 state stays on the
+    # CPU whatever it is (docs/NOTES.md, "Device")
+    device: str = option("auto", "--device", "auto: the first CUDA GPU when torch sees one, else the CPU; cpu; "
+                         "cuda or cuda:N (a GPU index). On a GPU the node trains with bf16 autocast over fp32 master "
+                         "weights and serves the same fp32 bytes")
     # untrusted contributors (docs/robustness.md)
     max_samples_per_packet: int = option(256, "--max-samples-per-packet",
                                          "samples one packet may claim; above it the packet is refused with 400")
@@ -248,6 +254,7 @@ class NodeConfig:
             raise ConfigError(f"wait_for_peers must be an integer >= 1 (1: at once), got {self.wait_for_peers!r}")
         if not self.max_weight_multiple >= 0:
             raise ConfigError(f"max_weight_multiple must be >= 0 (0: off), got {self.max_weight_multiple!r}")
+        parse_device(self.device)
 
     @property
     def max_pending_bytes(self) -> Optional[int]:
@@ -259,6 +266,18 @@ class NodeConfig:
 
     def train_config_path(self) -> Path:
         return Path(self.train_config) if self.train_config else Path(self.static_dir) / "train_config.json"
+
+
+_DEVICE = re.compile(r"(auto|cpu|cuda)(?::(\d{1,3}))?")
+
+
+def parse_device(text: str) -> tuple[str, Optional[int]]:
+    """`--device`'s value as (kind, GPU index or None): auto, cpu, cuda or cuda:N. Only the spelling is checked
+    here; whether that GPU exists is node.device.resolve's question, asked before the node starts."""
+    match = _DEVICE.fullmatch(text.strip().lower()) if isinstance(text, str) else None
+    if match is None or (match.group(2) is not None and match.group(1) != "cuda"):
+        raise ConfigError(f"device must be auto, cpu, cuda or cuda:N (N a GPU index, e.g. cuda:0), got {text!r}")
+    return match.group(1), None if match.group(2) is None else int(match.group(2))
 
 
 def _read_json(path: Path | str) -> dict[str, Any]:

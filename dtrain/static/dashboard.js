@@ -65,6 +65,13 @@ function describeSwarm(s) {
   return `${access} · ${sync}`;
 }
 
+// where forward and backward passes run (--device); the swarm's fp32 master weights stay on the CPU
+function describeDevice(d) {
+  if (!d || !d.device) return "–";
+  const where = d.device === "cpu" ? "CPU" : `${d.device} (${d.name})`;
+  return d.precision === "fp32" ? `${where} · fp32` : `${where} · ${d.precision} over fp32 master weights`;
+}
+
 function renderStatus(s) {
   setText("s-step", fmtInt(s.step));
   setText("s-updates", fmtInt(s.updates));
@@ -93,6 +100,7 @@ function renderStatus(s) {
   setText("peer-id", s.peer_id || "–");
   setText("reachability", describeReachability(s.reachability));
   setText("swarm-kind", describeSwarm(s));
+  setText("device", describeDevice(s.device));
   setText("params-sha", s.params_sha256 ? s.params_sha256.slice(0, 16) + "…" : "–");
   $("params-sha").title = s.params_sha256 || "";
 

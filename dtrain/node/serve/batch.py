@@ -47,7 +47,7 @@ class KVBatch:
         new = _layers(cache)
         T = int(new[0][0].shape[2])
         assert new[0][0].shape[0] == rows, (new[0][0].shape, rows)
-        new_mask = torch.ones(rows, T, dtype=torch.long)
+        new_mask = torch.ones(rows, T, dtype=torch.long, device=new[0][0].device)  # on the cache's device
         if self.cache is None:
             self.cache, self.mask = cache, new_mask
             return
@@ -64,7 +64,7 @@ class KVBatch:
         if not rows:
             self.cache = self.mask = None
             return
-        index = torch.tensor(list(rows), dtype=torch.long)
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.mask.device)
         mask = self.mask.index_select(0, index)
         first = int(mask.any(dim=0).nonzero()[0])  # columns before it are padding in every kept row
         self.mask = mask[:, first:]
@@ -74,4 +74,4 @@ class KVBatch:
 
     def extended_mask(self) -> torch.Tensor:
         """The attention mask of the next decode step: every row gets one more real position."""
-        return torch.cat([self.mask, torch.ones(len(self), 1, dtype=torch.long)], dim=1)
+        return torch.cat([self.mask, torch.ones(len(self), 1, dtype=torch.long, device=self.mask.device)], dim=1)

@@ -166,9 +166,12 @@ class _Row:
 
 class ServeEngine:
     def __init__(self, weights, decode: Callable[[Sequence[int]], str], config: ServeConfig,
-                 experts: Optional[ExpertRegistry] = None, eos_token_id: Optional[int] = None):
-        """`weights`: a node.serve.weights source (step(), load(), max_seq_len); `decode`: token ids -> text."""
+                 experts: Optional[ExpertRegistry] = None, eos_token_id: Optional[int] = None,
+                 device: torch.device = torch.device("cpu")):
+        """`weights`: a node.serve.weights source (step(), load(), max_seq_len); `decode`: token ids -> text;
+        `device`: where the model and the KV cache live (sampling, generators and experts stay on the CPU)."""
         self._weights = weights
+        self.device = torch.device(device)
         self._decode = decode
         self.config = config
         self.experts = experts if experts is not None else ExpertRegistry()
@@ -289,6 +292,7 @@ class ServeEngine:
             served = self._served
             if served is None or self._weights.step() != served.step:
                 self._served = self._weights.load()
+                self._served.model.to(self.device)  # in place: the served model is private and frozen
                 logger.info(f"serving model step {self._served.step}")
         elif self._weights.step() != self._served.step:
             return  # let the running rows finish on their step, then load the new one
@@ -314,7 +318,7 @@ class ServeEngine:
         ticket.queue_ms = ticket._since_submit_ms()
         cache = DynamicCache()
         with torch.no_grad():
-            out = served.model.base_model(input_ids=torch.tensor([g.prompt_ids], dtype=torch.long),
+            out = served.model.base_model(input_ids=torch.tensor([g.prompt_ids], dtype=torch.long, device=self.device),
                                           past_key_values=cache, use_cache=True)
             logits = self._logits(served.model, out.last_hidden_state[:, -1], [expert])  # (1, V)
         stop = g.params.stop
@@ -334,8 +338,8 @@ class ServeEngine:
         mask = self._batch.extended_mask()
         with torch.no_grad():
             out = model.base_model(
-                input_ids=torch.tensor([[r.last] for r in rows], dtype=torch.long),  # (B, 1)
-                position_ids=torch.tensor([[r.position] for r in rows], dtype=torch.long),  # (B, 1)
+                input_ids=torch.tensor([[r.last] for r in rows], dtype=torch.long, device=self.device),  # (B, 1)
+                position_ids=torch.tensor([[r.position] for r in rows], dtype=torch.long, device=self.device),
                 attention_mask=mask,  # (B, L + 1): left padding hidden
                 past_key_values=self._batch.cache,  # grows by one column in place
                 use_cache=True,
@@ -349,14 +353,16 @@ class ServeEngine:
 
     def _logits(self, model: PreTrainedModel, hidden: torch.Tensor,
                 experts: Sequence[Optional[LoraExpert]]) -> torch.Tensor:
-        """(B, V) float32 logits of the final hidden states `hidden` (B, d), each row with its expert's delta."""
+        """(B, V) float32 CPU logits of the final hidden states `hidden` (B, d), each row with its expert's delta
+        (experts live on the CPU: a rank-r product)."""
         distinct = {id(e): e for e in experts if e is not None}
         if distinct:
             hidden = hidden.clone()
             for key, expert in distinct.items():
-                idx = torch.tensor([i for i, e in enumerate(experts) if id(e) == key])
-                hidden[idx] = hidden[idx] + expert.delta(hidden[idx])
-        return model.get_output_embeddings()(hidden).to(torch.float32)
+                idx = torch.tensor([i for i, e in enumerate(experts) if id(e) == key], device=hidden.device)
+                delta = expert.delta(hidden[idx].to("cpu", torch.float32)).to(hidden.device, hidden.dtype)
+                hidden[idx] = hidden[idx] + delta
+        return model.get_output_embeddings()(hidden).to("cpu", torch.float32)
 
     def _advance(self, row: _Row, choice: TokenChoice) -> None:
         """One sampled token of a running row: text, events, and whether the row ends here."""

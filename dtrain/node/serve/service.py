@@ -186,7 +186,7 @@ def for_node(node, config: ServeConfig, tokenizer: Any, experts=None) -> ServeSe
     model_config = node.model_config
     template = meta_template(model_config)  # shapes only: each engine loads the snapshot's bytes
     engine = ServeEngine(SnapshotWeights(node.snapshot, template), lambda ids: tokenizer.decode(list(ids)), config,
-                         experts=experts, eos_token_id=template.config.eos_token_id)
+                         experts=experts, eos_token_id=template.config.eos_token_id, device=node.device.torch_device)
     capture = CaptureStore(config.capture_db, config.capture_max_rows) if config.capture else None
     trainer = None
     if config.feedback_train:

@@ -96,6 +96,7 @@ class SplitEngine:
         experts: ExpertRegistry,
         he: Optional[HEContext] = None,
         max_seq_len: Optional[int] = None,
+        device: torch.device = torch.device("cpu"),
     ):
         # GPT2Config maps these generic names onto n_positions / n_embd; Llama/Qwen configs use them directly
         n_positions = model.config.max_position_embeddings
@@ -110,14 +111,14 @@ class SplitEngine:
         self._he = he
         self.max_seq_len = max_seq_len
         self.hidden_dim = model.config.hidden_size
+        self.device = torch.device(device)  # the blocks and KV caches; DP noise, experts and HE stay on the CPU
         self._weights_lock = threading.Lock()  # guards _weights (the reference swap) and serializes loads
         self._weights = _Weights(self._private_copy(model), int(step_fn()))
 
     # ---- weights
 
-    @staticmethod
-    def _private_copy(model: PreTrainedModel) -> PreTrainedModel:
-        own = copy.deepcopy(model)
+    def _private_copy(self, model: PreTrainedModel) -> PreTrainedModel:
+        own = copy.deepcopy(model).to(self.device)
         own.eval()
         own.requires_grad_(False)
         return own
@@ -134,7 +135,7 @@ class SplitEngine:
         """
         with self._weights_lock:
             fresh = copy.deepcopy(self._weights.model)
-            fresh.load_state_dict(state_dict, strict=True)  # copies the tensors: the caller may keep training
+            fresh.load_state_dict(state_dict, strict=True)  # copies (onto the device): the caller may keep training
             fresh.eval()
             fresh.requires_grad_(False)
             self._weights = _Weights(fresh, int(step))
@@ -261,8 +262,9 @@ class SplitEngine:
     ) -> torch.Tensor:
         T = hidden.shape[0]
         # (1, T, d) in the model's dtype; GPT2Model adds wpe[position_ids], Llama-style models rotate q/k by them
-        embeds = torch.from_numpy(hidden).to(model.dtype).unsqueeze(0)
-        position_ids = torch.arange(past_len, past_len + T, dtype=torch.long).unsqueeze(0)  # (1, T)
+        device = model.device
+        embeds = torch.from_numpy(hidden).to(device, model.dtype).unsqueeze(0)
+        position_ids = torch.arange(past_len, past_len + T, dtype=torch.long, device=device).unsqueeze(0)  # (1, T)
         with torch.no_grad():
             # base_model: GPT2LMHeadModel.transformer, LlamaForCausalLM.model (the blocks + final norm, no LM head)
             out = model.base_model(
@@ -271,7 +273,7 @@ class SplitEngine:
                 past_key_values=cache,
                 use_cache=cache is not None,
             )
-        return out.last_hidden_state[0].to(torch.float32)  # (T, d), after the final norm
+        return out.last_hidden_state[0].to("cpu", torch.float32)  # (T, d), after the final norm
 
 
 def _generator(seed: Optional[int]) -> torch.Generator:

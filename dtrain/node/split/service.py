@@ -163,7 +163,7 @@ class _SnapshotFollower:
 def for_node(node, config: SplitConfig, tokenizer: Any = None) -> SplitService:
     """The split service of a started TrainingNode (its shared model, or `config.split_model`)."""
     if config.split_model:
-        return from_pretrained(config.split_model, config, tokenizer)
+        return from_pretrained(config.split_model, config, tokenizer, device=node.device.torch_device)
     from dtrain.node.model import build_model, embedding_tensor_id, meta_template
 
     model_config = node.model_config
@@ -172,7 +172,8 @@ def for_node(node, config: SplitConfig, tokenizer: Any = None) -> SplitService:
     model.load_state_dict(snapshot_state_dict(model, snap.f32), strict=True)
     experts = _experts(config, model.config.hidden_size)
     he = _he(config, experts)
-    engine = SplitEngine(model, lambda: node.step, _kv(config), config.dp, experts, he=he)
+    engine = SplitEngine(model, lambda: node.step, _kv(config), config.dp, experts, he=he,
+                         device=node.device.torch_device)
     follower = _SnapshotFollower(engine, meta_template(model_config))  # shapes only; `model` is freed on return
     if engine.weights_step != snap.step:  # the node stepped while we were building
         engine.load_weights(snapshot_state_dict(model, snap.f32), snap.step)
@@ -192,8 +193,9 @@ def for_node(node, config: SplitConfig, tokenizer: Any = None) -> SplitService:
     return SplitService(engine, facts, config, experts, he, tokenizer=tokenizer)
 
 
-def from_pretrained(path: str | Path, config: SplitConfig, fallback_tokenizer: Any = None) -> SplitService:
-    """Serve a local transformers causal LM directory, frozen (step 0)."""
+def from_pretrained(path: str | Path, config: SplitConfig, fallback_tokenizer: Any = None,
+                    device: torch.device = torch.device("cpu")) -> SplitService:
+    """Serve a local transformers causal LM directory, frozen (step 0), its blocks on `device`."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
@@ -209,7 +211,7 @@ def from_pretrained(path: str | Path, config: SplitConfig, fallback_tokenizer: A
     tied = lm_head.data_ptr() == embedding.data_ptr() or torch.equal(lm_head, embedding)
     experts = _experts(config, hf.hidden_size)
     he = _he(config, experts)
-    engine = SplitEngine(model, lambda: 0, _kv(config), config.dp, experts, he=he)
+    engine = SplitEngine(model, lambda: 0, _kv(config), config.dp, experts, he=he, device=device)
     tokenizer = fallback_tokenizer
     if (path / "tokenizer.json").is_file():
         from tokenizers import Tokenizer

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from dtrain.node.data import TokenDataset
+from dtrain.node.train.compute import Compute
 
 
 class ReferenceConfigError(ValueError):
@@ -52,13 +53,13 @@ class Reference:
     seconds: float  # wall time of the forward and backward pass
 
 
-def compute(model: torch.nn.Module, tokens: np.ndarray, step: int) -> Reference:
-    """The mean gradient of `model`'s loss on `tokens` ([batch, seq_len] token ids); touches no .grad buffer."""
+def compute(model: torch.nn.Module | Compute, tokens: np.ndarray, step: int) -> Reference:
+    """The mean gradient of `model`'s loss on `tokens` ([batch, seq_len] token ids), on the device of its Compute
+    (a bare module: the CPU); touches no .grad buffer."""
     started = time.perf_counter()
-    x = torch.from_numpy(tokens.astype(np.int64))
-    params = list(model.parameters())
-    loss = model(input_ids=x, labels=x).loss
-    grads = torch.autograd.grad(loss, params, allow_unused=True)  # autograd.grad: .grad belongs to the optimizer
+    runner = model if isinstance(model, Compute) else Compute(model)
+    params = list(runner.master.parameters())
+    loss, grads = runner.loss_and_grads(tokens, allow_unused=True)  # .grad belongs to the optimizer
     flat = tuple((torch.zeros(p.numel()) if g is None else g.detach().reshape(-1)).numpy().astype(np.float32, copy=False)
                  for g, p in zip(grads, params))
     norm = float(np.sqrt(sum(float(np.dot(g.astype(np.float64), g)) for g in flat)))
@@ -68,7 +69,7 @@ def compute(model: torch.nn.Module, tokens: np.ndarray, step: int) -> Reference:
 class ReferenceSource:
     """One reference per model step, on a fresh batch of the node's own data each step."""
 
-    def __init__(self, model: torch.nn.Module, dataset: TokenDataset, config: ReferenceConfig, max_seq_len: int,
+    def __init__(self, model: torch.nn.Module | Compute, dataset: TokenDataset, config: ReferenceConfig, max_seq_len: int,
                  seed: int = 0):
         self.model, self.dataset, self.config = model, dataset, config
         self.seq_len = min(config.seq_len, max_seq_len)

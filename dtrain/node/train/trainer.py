@@ -25,11 +25,13 @@ from dtrain.node.swarm.agreement import Agreement, Download
 from dtrain.node.config import ConfigError, ModelConfig, NodeConfig, TrainConfig
 from dtrain.node.contribution import Contribution
 from dtrain.node.data import TokenDataset
+from dtrain.node.device import resolve as resolve_device
 from dtrain.node.lowcomm import codec as lowcomm_codec
 from dtrain.node.lowcomm.deadline import round_deadline
 from dtrain.node.lowcomm.outer import OuterNesterov
 from dtrain.node.lowcomm.rounds import InnerRounds
 from dtrain.node.lowcomm.roundlog import CatchUp
+from dtrain.node.train.compute import Compute
 from dtrain.node.train.gradient import PendingGradient
 from dtrain.node.train.ledger import ContributorLedger, ScoringConfig
 from dtrain.node.hfdir import load_params
@@ -81,6 +83,7 @@ class NodeStatus:
     closed: bool = False  # --swarm-key: only peers that hold the key can join (docs/peers.md)
     sync: str = "per-step"  # how the swarm syncs: per-step or low-comm (docs/low-communication.md)
     wire_codec: Optional[str] = None  # low-comm: fp16, fp32 or sparse
+    device: Optional[dict] = None  # node.device.Device.as_dict(): where passes run (cpu, cuda:N) and at what precision
 
 
 class TrainingNode:
@@ -94,16 +97,18 @@ class TrainingNode:
         from (--init-from) instead of the seeded ones; a joiner takes the swarm's state whatever it started with."""
         self.config, self.model_config, self.train_config = config, model_config, train_config
         self.dataset = dataset
-        self.model = build_model(model_config)
+        self.device = resolve_device(config.device)  # ConfigError before anything starts
+        self.model = build_model(model_config)  # the fp32 master: CPU, shared with hivemind (docs/NOTES.md, "Device")
         if init_params is not None:
             load_params(self.model, init_params)
+        self.compute = Compute(self.model, self.device)  # forward and backward passes, on the device
         self.tensors: tuple[TensorInfo, ...] = tensor_infos(self.model)
         self.total_params = sum(t.elements for t in self.tensors)
         self.pool = ContributionPool(train_config.min_nodes_for_update, lambda: self.step, config.max_pending_bytes)
         self.gradient = PendingGradient([t.elements for t in self.tensors])
         self.reference: Optional[ReferenceSource] = None
         if reference_data is not None and config.reference_batch > 0:
-            self.reference = ReferenceSource(self.model, reference_data,
+            self.reference = ReferenceSource(self.compute, reference_data,
                                              ReferenceConfig(config.reference_batch, config.local_seq_len),
                                              model_config.max_seq_len)
         # with a trusted reference the direction check is on by default (FLTrust's ReLU gate: cosine > 0)
@@ -249,6 +254,7 @@ class TrainingNode:
             sync=self.config.swarm.sync,
             wire_codec=self.config.swarm.wire_codec if self.low_comm else None,
             scored_out=self.ledger.summary().scored_out,
+            device=self.device.as_dict(),
         )
 
     # ---- joining -------------------------------------------------------------------------------------------
@@ -561,10 +567,9 @@ class TrainingNode:
     def _local_batch(self) -> None:
         cfg = self.config
         seq_len = min(cfg.local_seq_len, self.model_config.max_seq_len)
-        tokens = torch.from_numpy(self.dataset.batch(cfg.local_batch_size, seq_len, self._rng).astype(np.int64))
-        loss = self.model(input_ids=tokens, labels=tokens).loss
+        tokens = self.dataset.batch(cfg.local_batch_size, seq_len, self._rng)
         # autograd.grad, not backward(): the .grad buffers belong to hivemind (reuse_grad_buffers)
-        grads = torch.autograd.grad(loss, list(self.model.parameters()))
+        loss, grads = self.compute.loss_and_grads(tokens)
         batch = tokens.shape[0]
         self.gradient.add([g.detach() * batch for g in grads], batch, batch * loss.item(), local=True)
 
