@@ -203,7 +203,7 @@ class NodeConfig:
                                  "node; browsers' packets are taken meanwhile (1: at once)")
     log_level: str = option("INFO", "--log-level", "DEBUG, INFO, WARNING")
     # where forward and backward passes run (training, /v1, split inference); the swarm's fp32 state stays on the
-    # CPU whatever it is (docs/NOTES.md, "Device")
+    # CPU whatever it is (docs/spec/NOTES.md, "Device")
     device: str = option("auto", "--device", "auto: the first CUDA GPU when torch sees one, else the CPU; cpu; "
                          "cuda or cuda:N (a GPU index). On a GPU the node trains with bf16 autocast over fp32 master "
                          "weights and serves the same fp32 bytes")

@@ -1,10 +1,10 @@
 """Forward and backward passes of the node's model on its device (`--device`), gradients back on the CPU.
 
 The model the training thread steps is the master copy: fp32, in CPU shared memory, the tensors hivemind's averagers
-and the optimizer own (docs/NOTES.md, "Device"). On the CPU a pass runs on it directly, exactly as it always did. On
-a GPU a replica of it runs the pass under bf16 autocast: before each pass the replica takes the master's current
-parameters (every inner update changes them), and the gradient comes back as fp32 CPU tensors, which is what the
-pending sum, the robust aggregation and hivemind's accumulators add to. Training thread only.
+and the optimizer own (docs/spec/NOTES.md, "Device"). On the CPU a pass runs on it directly, exactly as it always
+did. On a GPU a replica of it runs the pass under bf16 autocast: before each pass the replica takes the master's
+current parameters (every inner update changes them), and the gradient comes back as fp32 CPU tensors, which is what
+the pending sum, the robust aggregation and hivemind's accumulators add to. Training thread only.
 """
 from __future__ import annotations
 
@@ -21,17 +21,16 @@ class Compute:
     def __init__(self, master: torch.nn.Module, device: Device = CPU):
         self.master, self.device = master, device
         self._params = list(master.parameters())
+        # made at the first pass, not here: hivemind forks its processes at start, from a process that should not
+        # hold a CUDA context yet
         self._replica: Optional[torch.nn.Module] = None
         self._replica_params: list[torch.Tensor] = []
-        if device.is_cuda:
-            self._replica = copy.deepcopy(master).to(device.torch_device)  # tied weights stay tied
-            self._replica_params = list(self._replica.parameters())
 
     def loss_and_grads(self, tokens: np.ndarray, allow_unused: bool = False
                        ) -> tuple[torch.Tensor, Sequence[Optional[torch.Tensor]]]:
         """The mean LM loss on `tokens` [batch, seq_len] and its gradient per parameter of the master (in its
         `parameters()` order), both on the CPU, fp32; no `.grad` buffer is touched (they belong to hivemind)."""
-        if self._replica is None:
+        if not self.device.is_cuda:
             x = torch.from_numpy(tokens.astype(np.int64))
             loss = self.master(input_ids=x, labels=x).loss
             return loss, torch.autograd.grad(loss, self._params, allow_unused=allow_unused)
@@ -46,6 +45,9 @@ class Compute:
         return loss.detach().float().cpu(), out
 
     def _sync(self) -> None:
+        if self._replica is None:
+            self._replica = copy.deepcopy(self.master).to(self.device.torch_device)  # tied weights stay tied
+            self._replica_params = list(self._replica.parameters())
         with torch.no_grad():
             for replica, master in zip(self._replica_params, self._params):
                 replica.copy_(master)

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA GPU, in one run on a machine that has one (Python 3.12 with torch + CUDA, no network):
+# the `gpu` tests, the CPU tests of what the device touches (with the GPU hidden, so `auto` is the CPU there), and
+# bench/bench_device.py's CPU-vs-GPU table. hivemind and what it needs travel as cp312 wheels in .whl/ (see
+# docs/benchmarks.md, "Device"); the C extension is built here for this Python, or numpy does its work.
+#
+#     OUT=/some/dir bash bench/gpu_check.sh      # logs and the table land in $OUT
+set -u
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+
+{
+  date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; python3 --version
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheels did not install"; exit 1; }
+  python3 setup.py -q build_ext --inplace 2>&1 | tail -2 || echo "no C extension: numpy checks packets"
+} >"$OUT/env.txt" 2>&1 || { cat "$OUT/env.txt"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD
+
+python3 - >>"$OUT/env.txt" 2>&1 <<'EOF'
+import torch, numpy, transformers, hivemind
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0), "numpy", numpy.__version__,
+      "transformers", transformers.__version__, "hivemind", hivemind.__version__)
+dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+print("DHT up at", dht.get_visible_maddrs())
+dht.shutdown()
+from dtrain.bridge import sparse_check
+print("C extension:", "built" if sparse_check.native is not None else "absent (numpy)")
+EOF
+cat "$OUT/env.txt"
+
+# -W default: this machine's torch / transformers may warn where the pinned set does not; the checks are the asserts
+PYTEST=(python3 -m pytest -p no:cacheprovider -W default -q -rs)
+timeout 170 "${PYTEST[@]}" -m gpu tests/test_device_gpu.py -v >"$OUT/gpu_tests.log" 2>&1
+echo "gpu tests: rc $?"; tail -15 "$OUT/gpu_tests.log"
+
+CUDA_VISIBLE_DEVICES= timeout 120 "${PYTEST[@]}" tests/test_device.py tests/test_trainer.py tests/test_serve_engine.py \
+  tests/test_split_engine.py tests/test_reference.py >"$OUT/cpu_tests.log" 2>&1
+echo "cpu tests (GPU hidden): rc $?"; tail -4 "$OUT/cpu_tests.log"
+
+timeout 200 python3 bench/bench_device.py 2>&1 | grep -v "loss_type" | tee "$OUT/bench_device.md"
