@@ -4,7 +4,8 @@ Training: what a node does with one local batch (`--local-batch-size` sequences 
 forward and backward pass through node.train.compute (on the GPU: the master's parameters copied in, bf16 autocast,
 the gradient copied back as fp32), the gradient into the pending sum, then one AdamW step of the fp32 master on the
 CPU (the inner update of a low-comm round). samples/s is batches x batch size over the wall time; the pass and the
-AdamW columns split each batch's milliseconds.
+AdamW columns split each batch's milliseconds (medians), and on the GPU "parameters in" is the part of the pass that
+copies the master's parameters into the replica.
 
 Serving: the /v1 engine (continuous batching on the KV cache) in-process, greedy, C streams each sending requests
 back to back; tokens/s is all generated tokens over the wall time.
@@ -62,8 +63,8 @@ def train_row(config: ModelConfig, device: Device, batch: int, seq_len: int, bat
             started = time.perf_counter()
         tokens = data.batch(batch, seq_len, rng)
         t0 = time.perf_counter()
-        loss, grads = compute.loss_and_grads(tokens)
-        pending.add([g.detach() * batch for g in grads], batch, batch * loss.item(), local=True)
+        loss, sums = compute.loss_and_grads(tokens, scale=batch)  # what TrainingNode._local_batch does
+        pending.add(sums, batch, batch * loss.item(), local=True)
         t1 = time.perf_counter()
         with torch.no_grad():  # the inner AdamW update of the fp32 master, on the CPU
             for p, acc in zip(params, pending.sums):
@@ -77,7 +78,16 @@ def train_row(config: ModelConfig, device: Device, batch: int, seq_len: int, bat
             pass_ms.append((t1 - t0) * 1e3)
             step_ms.append((t2 - t1) * 1e3)
     wall = time.perf_counter() - started
-    return {"samples_s": batches * batch / wall, "pass_ms": statistics.median(pass_ms),
+    copy_in = None
+    if device.is_cuda:  # of the pass: the master's parameters into the replica (the bench's one look inside)
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            compute._sync()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        copy_in = statistics.median(times)
+    return {"samples_s": batches * batch / wall, "pass_ms": statistics.median(pass_ms), "copy_in_ms": copy_in,
             "adamw_ms": statistics.median(step_ms), "loss": loss.item()}
 
 
@@ -128,14 +138,15 @@ def main() -> None:
     configs = [(Path(c).name, ModelConfig.load(c)) for c in args.configs]
 
     print(f"\nTraining, local batches of {args.batch} x {args.seq_len} tokens ({args.batches} timed):\n")
-    print("| model | device | samples/s | pass ms | AdamW ms (CPU) | speedup |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| model | device | samples/s | pass ms | of which parameters in | AdamW ms (CPU) | speedup |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for name, config in configs:
         base = None
         for device in devices:
             r = train_row(config, device, args.batch, args.seq_len, args.batches)
             base = base or r["samples_s"]
-            print(f"| {name} | {device.describe()} | {r['samples_s']:.1f} | {r['pass_ms']:.1f} | "
+            copy_in = "–" if r["copy_in_ms"] is None else f"{r['copy_in_ms']:.1f}"
+            print(f"| {name} | {device.describe()} | {r['samples_s']:.1f} | {r['pass_ms']:.1f} | {copy_in} | "
                   f"{r['adamw_ms']:.1f} | {r['samples_s'] / base:.1f}x |", flush=True)
 
     print(f"\n/v1 engine, greedy, {args.requests} requests x {args.max_tokens} tokens per stream:\n")
@@ -147,7 +158,8 @@ def main() -> None:
             for device in devices:
                 r = serve_row(config, device, tok, streams, args.requests, args.max_tokens)
                 base = base or r["tok_s"]
-                print(f"| {name} | {device.describe()} | {streams} | {r['tok_s']:.1f} | {r['tok_s'] / base:.1f}x |",
+                where = "cpu" if not device.is_cuda else f"{device.torch_device} ({device.name})"
+                print(f"| {name} | {where}, fp32 | {streams} | {r['tok_s']:.1f} | {r['tok_s'] / base:.1f}x |",
                       flush=True)
 
 

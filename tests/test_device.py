@@ -72,6 +72,9 @@ def test_the_cpu_pass_is_the_plain_autograd_pass_bit_for_bit():
     for g, w in zip(grads, want):
         assert g.device.type == "cpu" and g.dtype == torch.float32
         assert torch.equal(g, w)
+    _, sums = Compute(model).loss_and_grads(tokens, scale=3)  # the node's local batch: the sum over 3 samples
+    for g, w in zip(sums, want):
+        assert torch.equal(g, w.detach() * 3)
     ref = reference.compute(Compute(model), tokens, step=4)
     assert ref.step == 4 and ref.loss == want_loss.item()
     for g, w in zip(ref.gradient, want):

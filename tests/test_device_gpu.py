@@ -62,6 +62,10 @@ def test_the_gpu_gradient_points_where_the_cpu_gradient_does(model):
     ref = reference.compute(gpu, tokens, step=2)  # the trusted reference, on the GPU: flat fp32 numpy per tensor
     assert all(g.dtype == np.float32 for g in ref.gradient)
     np.testing.assert_allclose(np.concatenate(ref.gradient), a.float().numpy(), rtol=0, atol=1e-6)
+    _, sums = gpu.loss_and_grads(tokens, scale=8)  # a local batch's sum over its 8 samples, scaled on the GPU
+    np.testing.assert_allclose(torch.cat([g.reshape(-1) for g in sums]).numpy(), 8 * a.float().numpy(), rtol=0,
+                               atol=8e-6)
+    assert np.isfinite(ref.gradient[0]).all() and ref.gradient[0] is not sums[0]  # the reference kept its own copy
 
 
 def test_a_node_on_cuda_trains_and_serves_its_fp32_master_bytes():

@@ -26,28 +26,40 @@ class Compute:
         self._replica: Optional[torch.nn.Module] = None
         self._replica_params: list[torch.Tensor] = []
 
-    def loss_and_grads(self, tokens: np.ndarray, allow_unused: bool = False
+    def loss_and_grads(self, tokens: np.ndarray, scale: int = 1, allow_unused: bool = False
                        ) -> tuple[torch.Tensor, Sequence[Optional[torch.Tensor]]]:
-        """The mean LM loss on `tokens` [batch, seq_len] and its gradient per parameter of the master (in its
-        `parameters()` order), both on the CPU, fp32; no `.grad` buffer is touched (they belong to hivemind)."""
+        """The mean LM loss on `tokens` [batch, seq_len] and `scale` times its gradient per parameter of the master
+        (in its `parameters()` order), both on the CPU, fp32; no `.grad` buffer is touched (they belong to hivemind).
+
+        On a GPU the gradients are views of one pinned buffer that the next call overwrites: add them somewhere or
+        copy them before then."""
         if not self.device.is_cuda:
             x = torch.from_numpy(tokens.astype(np.int64))
             loss = self.master(input_ids=x, labels=x).loss
-            return loss, torch.autograd.grad(loss, self._params, allow_unused=allow_unused)
+            grads = torch.autograd.grad(loss, self._params, allow_unused=allow_unused)
+            if scale != 1:
+                grads = [None if g is None else g.detach() * scale for g in grads]
+            return loss, grads
         self._sync()
         x = torch.from_numpy(tokens.astype(np.int64)).to(self.device.torch_device)
         with self.device.autocast():
             loss = self._replica(input_ids=x, labels=x).loss
         grads = torch.autograd.grad(loss, self._replica_params, allow_unused=allow_unused)
-        flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1).float()
-                          for g, p in zip(grads, self._replica_params)]).cpu()  # one transfer
-        out = [part.view_as(p) for part, p in zip(flat.split([p.numel() for p in self._params]), self._params)]
-        return loss.detach().float().cpu(), out
+        with torch.no_grad():
+            flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1).float()
+                              for g, p in zip(grads, self._replica_params)])
+            if scale != 1:
+                flat.mul_(scale)  # the same fp32 products the CPU would make, without a CPU pass over them
+            self._out.copy_(flat)  # one transfer into pinned memory: no page faults, DMA speed
+        return loss.detach().float().cpu(), self._out_views
 
     def _sync(self) -> None:
         if self._replica is None:
             self._replica = copy.deepcopy(self.master).to(self.device.torch_device)  # tied weights stay tied
             self._replica_params = list(self._replica.parameters())
+            self._out = torch.empty(sum(p.numel() for p in self._params), pin_memory=True)
+            self._out_views = [part.view_as(p) for part, p in
+                               zip(self._out.split([p.numel() for p in self._params]), self._params)]
         with torch.no_grad():
             for replica, master in zip(self._replica_params, self._params):
                 replica.copy_(master)

@@ -569,9 +569,9 @@ class TrainingNode:
         seq_len = min(cfg.local_seq_len, self.model_config.max_seq_len)
         tokens = self.dataset.batch(cfg.local_batch_size, seq_len, self._rng)
         # autograd.grad, not backward(): the .grad buffers belong to hivemind (reuse_grad_buffers)
-        loss, grads = self.compute.loss_and_grads(tokens)
         batch = tokens.shape[0]
-        self.gradient.add([g.detach() * batch for g in grads], batch, batch * loss.item(), local=True)
+        loss, sums = self.compute.loss_and_grads(tokens, scale=batch)  # sum over the batch of each sample's gradient
+        self.gradient.add(sums, batch, batch * loss.item(), local=True)
 
     def _step(self) -> None:
         """One hivemind Optimizer.step reporting the samples gathered since the last call."""
