@@ -4,13 +4,13 @@ Every call into hivemind happens on one thread owned by `TrainingNode`, which co
 - `ContributionPool` (node.pool): contributions accepted from the bridge, in groups of `min_nodes_for_update`;
 - `PendingGradient` (node.gradient): what this node gathered that no update applied yet, carried until one does;
 - `Swarm` (node.swarm): the DHT and hivemind.Optimizer; `Presence` (node.presence): who is in the swarm;
-- `Agreement` (node.agreement): which bytes every peer serves after an update, and whose gradients are in them.
+- `Agreement` (node.agreement): which bytes every peer serves after an update, and whose gradients are in them;
+- `OuterRoundLoop` (train.outer_rounds): in low-comm mode, the iteration of inner updates and outer rounds.
 
 Other threads only call `submit(contribution)`, `snapshot()`, `losses()` and `status()`.
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -26,13 +26,12 @@ from dtrain.node.config import ConfigError, ModelConfig, NodeConfig, TrainConfig
 from dtrain.node.contribution import Contribution
 from dtrain.node.data import TokenDataset
 from dtrain.node.device import resolve as resolve_device
-from dtrain.node.lowcomm import codec as lowcomm_codec
-from dtrain.node.lowcomm.deadline import round_deadline
 from dtrain.node.lowcomm.outer import OuterNesterov
 from dtrain.node.lowcomm.rounds import InnerRounds
 from dtrain.node.lowcomm.roundlog import CatchUp
 from dtrain.node.train.compute import Compute
 from dtrain.node.train.gradient import PendingGradient
+from dtrain.node.train.outer_rounds import OuterRoundLoop, low_comm_swarm_config
 from dtrain.node.train.ledger import ContributorLedger, ScoringConfig
 from dtrain.node.hfdir import load_params
 from dtrain.node.model import TensorInfo, build_model, tensor_infos
@@ -46,7 +45,6 @@ from dtrain.node.swarm.optimizer import SHUTDOWN_TIMEOUT_S, Swarm, make_local_op
 logger = get_logger(__name__)
 
 POLL_S = 0.25  # how long an idle training thread sleeps unless a hand-over wakes it
-DEADLINE_PEERS = 4  # low-comm, sparse codec: the group size the round deadline is sized for
 
 
 class NodeStopped(RuntimeError):
@@ -119,11 +117,11 @@ class TrainingNode:
         self.aggregator = RobustAggregator(robust, [t.elements for t in self.tensors])
         self.ledger = ledger if ledger is not None else ContributorLedger(
             scoring=ScoringConfig(enabled=config.contributor_scoring))
-        self.swarm_config = self._swarm_config(config)
         self.low_comm = config.swarm.sync == "low-comm"
+        self.swarm_config = low_comm_swarm_config(config.swarm, self.total_params) if self.low_comm else config.swarm
+        self.outer_rounds = OuterRoundLoop(self) if self.low_comm else None
         self.rounds: Optional[InnerRounds] = None  # low-comm: this node's inner updates since the last outer round
         self.catchup: Optional[CatchUp] = None  # sparse codec: the round log, and catching up by replaying it
-        self._round_due = False  # low-comm: what the tracker asks (node.swarm.optimizer.PacedTracker.round_due)
         self.swarm: Optional[Swarm] = None
         self.presence: Optional[Presence] = None
         self.agreement: Optional[Agreement] = None
@@ -143,22 +141,6 @@ class TrainingNode:
         self._peers_arrived = config.wait_for_peers <= 1  # --wait-for-peers: local training may start
         self._next_wait_log = 0.0
         self._thread = threading.Thread(target=self._run, name="dtrain-training", daemon=True)
-
-    def _swarm_config(self, config: NodeConfig):
-        """Low-comm: the all-reduce deadline grows to fit the bytes of one round at --link-mbit (docs/low-communication.md)."""
-        swarm = config.swarm
-        if swarm.sync != "low-comm":
-            return swarm
-        if swarm.wire_codec == "sparse":  # what a hub of a group of DEADLINE_PEERS sends
-            round_bytes = lowcomm_codec.round_bytes("sparse", self.total_params, DEADLINE_PEERS, swarm.topk_fraction)
-            codec = f"top-{swarm.topk_fraction:g} sparse payloads with error feedback"
-        else:
-            per_value = max(lowcomm_codec.bytes_per_element(swarm.wire_codec), lowcomm_codec.PARAMS_BYTES)
-            round_bytes, codec = self.total_params * per_value, swarm.wire_codec
-        deadline = round_deadline(round_bytes, swarm.averaging_timeout_s, swarm.link_mbit)
-        logger.info(f"low-comm: {swarm.inner_steps} inner updates per outer round, pseudo-gradient in "
-                    f"{codec}; all-reduce deadline {deadline.seconds:.0f}s from {deadline.why}")
-        return dataclasses.replace(swarm, averaging_timeout_s=deadline.seconds)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -308,7 +290,7 @@ class TrainingNode:
         if self.low_comm:
             fraction = cfg.swarm.topk_fraction if cfg.swarm.wire_codec == "sparse" else None
             self.rounds = InnerRounds(list(self.model.parameters()), inner, cfg.swarm.inner_steps, fraction)
-            opt.tracker.round_due = lambda: self._round_due
+            opt.tracker.round_due = lambda: self.outer_rounds.round_due
             if fraction is not None:  # every node computes the same outer step: a node behind may replay rounds
                 self.catchup = CatchUp(swarm, self.agreement, self.model, fraction)
         snap = make_snapshot(self.model, opt.local_epoch)
@@ -387,8 +369,8 @@ class TrainingNode:
         return self.presence.alone() and self.swarm.optimizer.tracker.global_progress.num_peers <= 1
 
     def _iteration(self) -> bool:
-        if self.rounds is not None:
-            return self._low_comm_iteration()
+        if self.outer_rounds is not None:
+            return self.outer_rounds.iteration()
         worked = False
         # Alone, every hand-over is one update (the spec's single server); in a swarm, all that is ready goes into
         # the next update together.
@@ -405,6 +387,11 @@ class TrainingNode:
         self._catch_up()
         if self.gradient.samples > 0 or self._round_for_clients():
             self._step()  # lets hivemind schedule and run the update the swarm is gathering samples for
+        self._housekeeping()
+        return worked
+
+    def _housekeeping(self) -> None:
+        """After each iteration: the presence record and agreement kept alive, the checkpoint when one is due."""
         if self.presence.due():
             self.presence.refresh(self.step, self.gradient.samples)
             self.agreement.keep_alive()
@@ -412,89 +399,6 @@ class TrainingNode:
         if self.config.checkpoint_dir and epoch - self._last_checkpoint_epoch >= self.config.checkpoint_every:
             self._save_checkpoint()
             self._last_checkpoint_epoch = epoch
-        return worked
-
-    def _low_comm_iteration(self) -> bool:
-        """Inner updates until --inner-steps are done, then the outer round (docs/low-communication.md). Once done,
-        a node takes no hand-over and trains on no local batch until the round: its packets wait in the pool, and
-        the swarm's samples stop growing when every node is done, which begins the round."""
-        worked, rounds = False, self.rounds
-        while not rounds.due and (hand_over := self.pool.take()) is not None:
-            self._add(hand_over.contributions)
-            del hand_over
-            worked = True
-            self._inner_step()
-            if self._alone():
-                self._low_comm_step()  # alone, every hand-over is one update (the spec's single server)
-        if self.dataset is not None and not rounds.due and self._wants_local_batch():
-            self._local_batch()
-            self._inner_step()
-            worked = True
-        self._catch_up()
-        if self.gradient.samples > 0:
-            self._low_comm_step()
-        if self.presence.due():
-            self.presence.refresh(self.step, self.gradient.samples)
-            self.agreement.keep_alive()
-        epoch = self.swarm.epoch
-        if self.config.checkpoint_dir and epoch - self._last_checkpoint_epoch >= self.config.checkpoint_every:
-            self._save_checkpoint()
-            self._last_checkpoint_epoch = epoch
-        return worked
-
-    def _inner_step(self) -> None:
-        if self.gradient.undrained_samples:
-            # a peer's download must never see parameters between the anchor and an inner update
-            self.swarm.optimizer.state_averager.allow_state_sharing = False
-            self.rounds.inner_step(self.gradient.drain())
-
-    def _low_comm_step(self) -> None:
-        """One hivemind Optimizer.step: reports the samples of the inner updates and, when the round is due, runs
-        it. The parameters are at the round's start (the anchor) inside it, with the pseudo-gradient set aside:
-        whatever replaces them there (an outer update, a download) is followed by settle or carry."""
-        opt, rounds = self.swarm.optimizer, self.rounds
-        alone = self._alone()
-        self._round_due = alone or rounds.due
-        outer = opt.state_averager.optimizer
-        outer.passthrough, outer.landing = alone, rounds.set_aside() if alone else None
-        rounds.enter_outer()
-        self._recheck(force=opt.tracker.ready_to_update_epoch)  # may download the swarm's bytes of the last step
-        if self._unverified:
-            rounds.carry()
-            return
-        counted = opt.grad_averager
-        new_samples = max(self.gradient.samples - counted.local_samples_accumulated, 0)
-        calls = counted.local_times_accumulated + 1  # hivemind divides .grad by the step() calls of the epoch
-        with torch.no_grad():  # alone, the whole pseudo-gradient; with peers, what the codec sends of it
-            for p, d in zip(self.model.parameters(), rounds.offer(compress=not alone)):
-                p.grad.copy_(d).mul_(calls)
-        epoch_before, round_before = opt.local_epoch, opt.last_round
-        if new_samples:
-            self.presence.reported_samples()
-        started = time.monotonic()
-        opt.step(batch_size=new_samples)
-        if opt.local_epoch == epoch_before:
-            if rounds.due and rounds.at_anchor():
-                # waiting for the round: the parameters stay at the anchor, the served bytes, which a joiner may
-                # download meanwhile (a node shares its state only at the anchor)
-                self._share_state()
-                return
-            rounds.carry()  # back to the inner updates' parameters (on the swarm's bytes, if a download came)
-            self._sync_sharing()
-            return
-        outcome = opt.last_round
-        if outcome is not round_before and outcome.epoch == opt.local_epoch:
-            if self.catchup is not None:
-                self.catchup.record(outcome)
-            self._after_update(outcome, time.monotonic() - started)
-            took_s = self._last_update_s = time.monotonic() - started
-            for callback in self._update_listeners:
-                try:
-                    callback(took_s)
-                except Exception as e:
-                    logger.exception(f"update listener failed: {e}")
-        else:  # hivemind downloaded the swarm's state inside step()
-            self._after_catch_up(self.agreement.check_download())
 
     def _round_for_clients(self) -> bool:
         """A full peer with nothing of its own joins (with weight 0) an update the swarm gathered samples for while
@@ -595,14 +499,18 @@ class TrainingNode:
         if outcome is not round_before and outcome.epoch == opt.local_epoch:
             self._refuse_non_finite(before)
             self._after_update(outcome, time.monotonic() - started)
-            took_s = self._last_update_s = time.monotonic() - started  # served: the whole update, agreement included
-            for callback in self._update_listeners:
-                try:
-                    callback(took_s)
-                except Exception as e:
-                    logger.exception(f"update listener failed: {e}")
+            self._updated(time.monotonic() - started)
         else:  # hivemind downloaded the swarm's state inside step() ("Peer is out of sync")
             self._after_catch_up(self.agreement.check_download())
+
+    def _updated(self, took_s: float) -> None:
+        """An update this node served: `took_s` is the whole of it, agreement included."""
+        self._last_update_s = took_s
+        for callback in self._update_listeners:
+            try:
+                callback(took_s)
+            except Exception as e:
+                logger.exception(f"update listener failed: {e}")
 
     def _after_update(self, outcome, took_s: float) -> None:
         snap = make_snapshot(self.model, outcome.epoch)

@@ -1,0 +1,123 @@
+"""The training thread's iteration in low-communication mode (`--sync low-comm`, docs/low-communication.md).
+
+`TrainingNode` owns the model, the swarm and the catch-up; in low-comm mode each of its iterations is this loop's:
+inner AdamW updates on hand-overs and local batches until --inner-steps are done, then one hivemind
+Optimizer.step that runs the outer round (node.lowcomm.rounds.InnerRounds keeps the anchor, the pseudo-gradient set
+aside and the error feedback). Training thread only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from hivemind.utils.logging import get_logger
+
+from dtrain.node.config import SwarmConfig
+from dtrain.node.lowcomm import codec as lowcomm_codec
+from dtrain.node.lowcomm.deadline import round_deadline
+
+if TYPE_CHECKING:
+    from dtrain.node.train.trainer import TrainingNode
+
+logger = get_logger(__name__)
+
+DEADLINE_PEERS = 4  # sparse codec: the group size the round deadline is sized for
+
+
+def low_comm_swarm_config(swarm: SwarmConfig, total_params: int) -> SwarmConfig:
+    """The all-reduce deadline grows to fit the bytes of one round at --link-mbit."""
+    if swarm.wire_codec == "sparse":  # what a hub of a group of DEADLINE_PEERS sends
+        round_bytes = lowcomm_codec.round_bytes("sparse", total_params, DEADLINE_PEERS, swarm.topk_fraction)
+        codec = f"top-{swarm.topk_fraction:g} sparse payloads with error feedback"
+    else:
+        per_value = max(lowcomm_codec.bytes_per_element(swarm.wire_codec), lowcomm_codec.PARAMS_BYTES)
+        round_bytes, codec = total_params * per_value, swarm.wire_codec
+    deadline = round_deadline(round_bytes, swarm.averaging_timeout_s, swarm.link_mbit)
+    logger.info(f"low-comm: {swarm.inner_steps} inner updates per outer round, pseudo-gradient in "
+                f"{codec}; all-reduce deadline {deadline.seconds:.0f}s from {deadline.why}")
+    return dataclasses.replace(swarm, averaging_timeout_s=deadline.seconds)
+
+
+class OuterRoundLoop:
+    """One low-comm node's iterations. It works on its node's parts (pool, pending gradient, rounds, swarm) and
+    hands updates and downloads back to the node, which serves them."""
+
+    def __init__(self, node: TrainingNode):
+        self.node = node
+        self.round_due = False  # what the tracker asks (node.swarm.optimizer.PacedTracker.round_due)
+
+    def iteration(self) -> bool:
+        """Inner updates until --inner-steps are done, then the outer round. Once done, a node takes no hand-over
+        and trains on no local batch until the round: its packets wait in the pool, and the swarm's samples stop
+        growing when every node is done, which begins the round."""
+        node = self.node
+        worked, rounds = False, node.rounds
+        while not rounds.due and (hand_over := node.pool.take()) is not None:
+            node._add(hand_over.contributions)
+            del hand_over
+            worked = True
+            self._inner_step()
+            if node._alone():
+                self._step()  # alone, every hand-over is one update (the spec's single server)
+        if node.dataset is not None and not rounds.due and node._wants_local_batch():
+            node._local_batch()
+            self._inner_step()
+            worked = True
+        node._catch_up()
+        if node.gradient.samples > 0:
+            self._step()
+        node._housekeeping()
+        return worked
+
+    def _inner_step(self) -> None:
+        node = self.node
+        if node.gradient.undrained_samples:
+            # a peer's download must never see parameters between the anchor and an inner update
+            node.swarm.optimizer.state_averager.allow_state_sharing = False
+            node.rounds.inner_step(node.gradient.drain())
+
+    def _step(self) -> None:
+        """One hivemind Optimizer.step: reports the samples of the inner updates and, when the round is due, runs
+        it. The parameters are at the round's start (the anchor) inside it, with the pseudo-gradient set aside:
+        whatever replaces them there (an outer update, a download) is followed by settle or carry."""
+        node = self.node
+        opt, rounds = node.swarm.optimizer, node.rounds
+        alone = node._alone()
+        self.round_due = alone or rounds.due
+        outer = opt.state_averager.optimizer
+        outer.passthrough, outer.landing = alone, rounds.set_aside() if alone else None
+        rounds.enter_outer()
+        node._recheck(force=opt.tracker.ready_to_update_epoch)  # may download the swarm's bytes of the last step
+        if node._unverified:
+            rounds.carry()
+            return
+        counted = opt.grad_averager
+        new_samples = max(node.gradient.samples - counted.local_samples_accumulated, 0)
+        calls = counted.local_times_accumulated + 1  # hivemind divides .grad by the step() calls of the epoch
+        with torch.no_grad():  # alone, the whole pseudo-gradient; with peers, what the codec sends of it
+            for p, d in zip(node.model.parameters(), rounds.offer(compress=not alone)):
+                p.grad.copy_(d).mul_(calls)
+        epoch_before, round_before = opt.local_epoch, opt.last_round
+        if new_samples:
+            node.presence.reported_samples()
+        started = time.monotonic()
+        opt.step(batch_size=new_samples)
+        if opt.local_epoch == epoch_before:
+            if rounds.due and rounds.at_anchor():
+                # waiting for the round: the parameters stay at the anchor, the served bytes, which a joiner may
+                # download meanwhile (a node shares its state only at the anchor)
+                node._share_state()
+                return
+            rounds.carry()  # back to the inner updates' parameters (on the swarm's bytes, if a download came)
+            node._sync_sharing()
+            return
+        outcome = opt.last_round
+        if outcome is not round_before and outcome.epoch == opt.local_epoch:
+            if node.catchup is not None:
+                node.catchup.record(outcome)
+            node._after_update(outcome, time.monotonic() - started)
+            node._updated(time.monotonic() - started)
+        else:  # hivemind downloaded the swarm's state inside step()
+            node._after_catch_up(node.agreement.check_download())
