@@ -57,6 +57,8 @@ def build(config: NodeConfig) -> Built:
     from dtrain.node.assets import tokenizer_files
     from dtrain.node.corpus import load_corpus
     from dtrain.node.data import TokenDataset
+    from dtrain.node.frozen import SnapshotModels
+    from dtrain.node.model import meta_template
     from dtrain.node.serve.service import for_node as serve_for_node
     from dtrain.node.split.service import for_node
     from dtrain.node.tokenizer import load_tokenizer
@@ -98,10 +100,12 @@ def build(config: NodeConfig) -> Built:
                 f"(fp32 master weights on the CPU); joining the swarm")
     node.start()  # on the main thread: hivemind's averagers install signal handlers
     try:
-        split = for_node(node, config.split, tokenizer)
+        # one frozen model per published step for every engine that reads it (node.frozen)
+        models = SnapshotModels.following(node, meta_template(model_config))
+        split = for_node(node, config.split, tokenizer, models=models)
         # /v1 serves the shared model, and the hosted LoRA experts when they fit it (not a --split-model's)
         experts = split.experts if not config.split.split_model else None
-        serve = serve_for_node(node, config.serve, tokenizer, experts=experts)
+        serve = serve_for_node(node, config.serve, tokenizer, experts=experts, models=models)
     except BaseException:
         node.stop()
         raise

@@ -30,11 +30,10 @@ import torch
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils.logging import get_logger
 
-from dtrain.node.model import materialize
+from dtrain.node.frozen import on_snapshot
 from dtrain.node.serve.capture import CaptureStore, Record
 from dtrain.node.serve.config import ServeConfig, check_adapter_name
 from dtrain.node.serve.feedback import mean_gradient, record_loss, run_rounds
-from dtrain.node.serve.weights import load_snapshot
 from dtrain.node.split.experts import ExpertRegistry, LoraExpert
 from dtrain.node.swarm.optimizer import PacedTracker
 
@@ -143,7 +142,6 @@ class AdapterTrainer:
         d_model = int(template.config.n_embd)
         rank = min(config.feedback_lora_rank, d_model)
         self.expert = LoraExpert.create(name, d_model, r=rank, alpha=2.0 * rank, seed=adapter_seed(name))
-        self._base: Optional[tuple[int, torch.nn.Module]] = None  # (step, frozen copy of the shared model)
         self._lock = threading.Lock()
         self._samples = 0
         self._state: Optional[AdapterState] = None
@@ -246,14 +244,9 @@ class AdapterTrainer:
         return used
 
     def _base_model(self) -> torch.nn.Module:
-        """The node's current shared model, frozen (copied once per step)."""
-        snap = self._node.snapshot()
-        if self._base is None or self._base[0] != snap.step:
-            model = load_snapshot(materialize(self._template), snap.f32)
-            model.eval()
-            model.requires_grad_(False)
-            self._base = (snap.step, model)
-        return self._base[1]
+        """The node's current shared model, frozen: its parameters are the current snapshot's bytes (node.frozen),
+        held only for this round, so no older snapshot outlives the node's next update here."""
+        return on_snapshot(self._template, self._node.snapshot().f32)
 
     def _publish(self, peers: int = 0) -> None:
         """Swap a copy of the adapter as it is now into serving (the trained tensors stay this thread's)."""

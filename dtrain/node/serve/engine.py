@@ -8,7 +8,7 @@
                               ▼
     Ticket events on the engine thread: Delta (text and the tokens behind it), Finish per choice, Done or Failed.
 
-The engine owns its thread and a private copy of the weights (node.serve.weights). The node's step moves while
+The engine owns its thread and takes a frozen model of one step (node.serve.weights). The node's step moves while
 requests run: the engine keeps serving the step the running rows started on, admits no new request until they
 drain, then loads the new step; so every completion is the work of exactly one step (reported in Done).
 Nothing here knows HTTP: `on_event` is any callable (the bridge hands events to its event loop).
@@ -291,8 +291,16 @@ class ServeEngine:
         if not self._rows:
             served = self._served
             if served is None or self._weights.step() != served.step:
+                with self._cond:
+                    waiting = bool(self._waiting)
+                if not waiting:
+                    # idle: no model of an older step is held (its snapshot's bytes go once the node published a
+                    # newer one); the next request takes the current step's
+                    self._served = None
+                    return
                 self._served = self._weights.load()
-                self._served.model.to(self.device)  # in place: the served model is private and frozen
+                # in place: a fixed model is the engine's own; the node's shared model is on the device already
+                self._served.model.to(self.device)
                 logger.info(f"serving model step {self._served.step}")
         elif self._weights.step() != self._served.step:
             return  # let the running rows finish on their step, then load the new one

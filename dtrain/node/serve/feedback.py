@@ -1,7 +1,7 @@
 """Feedback that trains: rewarded completions become training contributions of the shared model.
 
 Every `--feedback-interval` seconds the trainer takes up to `--feedback-batch` rewarded rows no contribution used
-yet, computes on a private copy of the node's current snapshot the gradient of
+yet, computes on the node's current snapshot (a model over its own bytes, node.frozen) the gradient of
 
     L = (1/N) * sum_i |r_i| * l_i,   with r_i the reward clipped to [-1, 1], and over the completion tokens t of i:
       r_i > 0: l_i = mean_t -log p(t)                 (pull: the likelihood of what was rewarded goes up)
@@ -25,10 +25,9 @@ import torch
 from hivemind.utils.logging import get_logger
 
 from dtrain.node.contribution import Contribution, Section
-from dtrain.node.model import materialize
+from dtrain.node.frozen import on_snapshot
 from dtrain.node.train.pool import StepMismatch
 from dtrain.node.serve.capture import CaptureStore, Record
-from dtrain.node.serve.weights import load_snapshot
 
 logger = get_logger(__name__)
 
@@ -137,9 +136,8 @@ class FeedbackTrainer:
         if not rows:
             return None
         snap = self._node.snapshot()
-        model = load_snapshot(materialize(self._template), snap.f32)
-        model.eval()  # no dropout anyway; gradients flow in eval mode
-        model.requires_grad_(True)
+        # its parameters are the snapshot's bytes (node.frozen): differentiated, never written
+        model = on_snapshot(self._template, snap.f32, trainable=True)
         grads, loss, used = feedback_gradient(model, [r for _, r in rows])
         keys = [(seq,) for seq, _ in rows]
         if used == 0:

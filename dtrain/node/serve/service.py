@@ -178,15 +178,20 @@ class ServeService:
         return self.capture.feedback(completion_id, reward, choice, token)
 
 
-def for_node(node, config: ServeConfig, tokenizer: Any, experts=None) -> ServeService:
-    """The serving service of a started TrainingNode: its shared model at the step it serves, started."""
+def for_node(node, config: ServeConfig, tokenizer: Any, experts=None, models=None) -> ServeService:
+    """The serving service of a started TrainingNode: its shared model at the step it serves, started. `models`:
+    the node's node.frozen.SnapshotModels, shared with split inference (one of its own when None)."""
+    from dtrain.node.frozen import SnapshotModels
     from dtrain.node.model import meta_template
     from dtrain.node.serve.weights import SnapshotWeights
 
     model_config = node.model_config
-    template = meta_template(model_config)  # shapes only: each engine loads the snapshot's bytes
-    engine = ServeEngine(SnapshotWeights(node.snapshot, template), lambda ids: tokenizer.decode(list(ids)), config,
-                         experts=experts, eos_token_id=template.config.eos_token_id, device=node.device.torch_device)
+    template = meta_template(model_config)  # shapes only: each engine reads the snapshot's bytes
+    if models is None:
+        models = SnapshotModels.following(node, template)
+    device = node.device.torch_device
+    engine = ServeEngine(SnapshotWeights(models, device), lambda ids: tokenizer.decode(list(ids)), config,
+                         experts=experts, eos_token_id=template.config.eos_token_id, device=device)
     capture = CaptureStore(config.capture_db, config.capture_max_rows) if config.capture else None
     trainer = None
     if config.feedback_train:

@@ -1,21 +1,19 @@
 """Where the serving engine's weights come from: the node's published snapshot, or a fixed model (bench, tests).
 
-The engine runs a private copy: the training thread never changes the weights under a running decode step, and
-the copy is made on the serving thread, only when the served step is behind the node's and the running batch has
-drained (so every completion comes from one step: the one it reports).
+The engine runs a frozen model the training thread never changes: the node's shared model of a published snapshot
+(node.frozen), whose parameters are the snapshot's own bytes. The engine takes it on the serving thread, only when
+a request waits and the running batch has drained (so every completion comes from one step: the one it reports).
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from dtrain.node.model import materialize
-from dtrain.node.snapshot import Snapshot
+from dtrain.node.frozen import SnapshotModels
 
 
 def load_snapshot(model: torch.nn.Module, f32: tuple[np.ndarray, ...]) -> torch.nn.Module:
@@ -34,7 +32,7 @@ def load_snapshot(model: torch.nn.Module, f32: tuple[np.ndarray, ...]) -> torch.
 
 @dataclass(frozen=True)
 class ServedWeights:
-    model: PreTrainedModel  # private, eval mode, no gradients; never mutated once served
+    model: PreTrainedModel  # eval mode, no gradients; never mutated once served
     step: int  # the model step these parameters are
 
 
@@ -45,20 +43,20 @@ def _frozen(model: PreTrainedModel) -> PreTrainedModel:
 
 
 class SnapshotWeights:
-    """The node's current snapshot (`node.snapshot`), copied into a private model when asked."""
+    """The node's shared frozen model of its current snapshot (node.frozen.SnapshotModels)."""
 
-    def __init__(self, snapshot_fn: Callable[[], Snapshot], template: PreTrainedModel):
-        self._snapshot_fn = snapshot_fn
-        self._template = template  # shapes and tied-parameter layout; never run
-        self.max_seq_len = int(template.config.max_position_embeddings)
-        self.vocab_size = int(template.config.vocab_size)
+    def __init__(self, models: SnapshotModels, device: torch.device = torch.device("cpu")):
+        self._models = models
+        self._device = torch.device(device)  # the engine's
+        self.max_seq_len = models.max_seq_len
+        self.vocab_size = models.vocab_size
 
     def step(self) -> int:
-        return self._snapshot_fn().step
+        return self._models.step()
 
     def load(self) -> ServedWeights:
-        snap = self._snapshot_fn()
-        return ServedWeights(_frozen(load_snapshot(materialize(self._template), snap.f32)), snap.step)
+        current = self._models.current(self._device)
+        return ServedWeights(current.model, current.step)
 
 
 class FixedWeights:

@@ -5,9 +5,10 @@ The client sends token embeddings `wte[token_id]` [T, d]. The engine adds the po
 the session's KV cache says come next, runs every block and the final layer norm, optionally clips and noises the result (DP), adds the LoRA expert's delta (under CKKS
 when asked), and returns `pre_activations` [T, d]; the client's logits are `pre_activations @ wte^T`.
 
-The engine owns a private copy of the model: the training thread never changes weights under a
-running forward. `load_weights` swaps in a new copy; sessions cached under the old weights are
-refused (StaleSessionError) instead of being continued with different parameters.
+The engine runs a model the training thread never changes under a running forward: the node's shared frozen
+model of its current snapshot (`source`, node.frozen), taken per call, or a private copy that `load_weights` swaps
+for a new one (a fixed model). Sessions cached under older weights are refused (StaleSessionError) instead of
+being continued with different parameters.
 """
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ class ForwardResult:
 
 @dataclass(frozen=True)
 class _Weights:
-    model: PreTrainedModel  # the engine's private copy; never mutated once published
+    model: PreTrainedModel  # never mutated once published
     step: int  # model step these parameters belong to
 
 
@@ -97,6 +98,7 @@ class SplitEngine:
         he: Optional[HEContext] = None,
         max_seq_len: Optional[int] = None,
         device: torch.device = torch.device("cpu"),
+        source=None,
     ):
         # GPT2Config maps these generic names onto n_positions / n_embd; Llama/Qwen configs use them directly
         n_positions = model.config.max_position_embeddings
@@ -113,7 +115,10 @@ class SplitEngine:
         self.hidden_dim = model.config.hidden_size
         self.device = torch.device(device)  # the blocks and KV caches; DP noise, experts and HE stay on the CPU
         self._weights_lock = threading.Lock()  # guards _weights (the reference swap) and serializes loads
-        self._weights = _Weights(self._private_copy(model), int(step_fn()))
+        # `source`: the node's shared models (node.frozen.SnapshotModels), `model` is then its `meta` template and
+        # the engine holds no model between calls; without it, a private copy of `model`
+        self._source = source
+        self._weights = None if source is not None else _Weights(self._private_copy(model), int(step_fn()))
 
     # ---- weights
 
@@ -125,7 +130,13 @@ class SplitEngine:
 
     @property
     def weights_step(self) -> int:
-        return self._weights.step
+        return self._source.step() if self._source is not None else self._weights.step
+
+    def _current(self) -> _Weights:
+        if self._source is None:
+            return self._weights
+        current = self._source.current(self.device)
+        return _Weights(current.model, current.step)
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], step: int) -> None:
         """Publish new parameters for model step `step` (the node calls this when its step changes).
@@ -133,6 +144,8 @@ class SplitEngine:
         A fresh copy is filled and then swapped in, so forwards already running finish on the
         weights they started with.
         """
+        if self._source is not None:
+            raise RuntimeError("this engine reads the node's shared models: it loads no weights of its own")
         with self._weights_lock:
             fresh = copy.deepcopy(self._weights.model)
             fresh.load_state_dict(state_dict, strict=True)  # copies (onto the device): the caller may keep training
@@ -172,7 +185,7 @@ class SplitEngine:
         if session_id is not None:
             check_session_id(session_id)
 
-        weights = self._weights  # one snapshot for the whole call
+        weights = self._current()  # one snapshot for the whole call
         lock = self._kv.session(session_id) if session_id is not None else contextlib.nullcontext()
         with lock:
             cache, past_len = self._session_cache(session_id, incremental, weights)

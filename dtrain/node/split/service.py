@@ -1,9 +1,9 @@
 """Split inference for one node: the SplitEngine, the weights it serves and what clients need to know.
 
 Two sources of weights:
-- the shared model (default): a private copy built from the node's ModelConfig, filled from the node's
-  published snapshot and refilled by a snapshot listener after every step; the training model itself
-  is never run for inference.
+- the shared model (default): the node's frozen model of its current published snapshot, whose parameters
+  are the snapshot's own bytes (node.frozen), shared with the /v1 engine; the training model itself is never
+  run for inference.
 - `split_model`: a local transformers causal-LM directory (GPT-2, or Llama/Qwen-style with rotary
   positions), loaded with `local_files_only=True`, frozen; its step is always 0.
 
@@ -11,8 +11,6 @@ The service never imports the bridge; the bridge turns its typed errors into ans
 """
 from __future__ import annotations
 
-import threading
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -119,66 +117,22 @@ def _kv(config: SplitConfig) -> KVCacheStore:
     return KVCacheStore(max_sessions=config.max_sessions, ttl_s=config.session_ttl_s)
 
 
-def snapshot_state_dict(template: torch.nn.Module, f32: tuple[np.ndarray, ...]) -> dict[str, torch.Tensor]:
-    """A full state dict for `template` from flat float32 arrays in `named_parameters()` order.
-
-    Tied parameters (lm_head.weight = wte.weight) appear once in the arrays and under every name in the
-    state dict; buffers keep the template's values.
-    """
-    params = list(template.named_parameters())
-    if len(params) != len(f32):
-        raise ValueError(f"snapshot has {len(f32)} tensors; the model has {len(params)} parameters")
-    by_param = {}
-    for (name, p), flat in zip(params, f32):
-        if flat.size != p.numel():
-            raise ValueError(f"snapshot tensor {name}: {flat.size} elements, want {p.numel()}")
-        with warnings.catch_warnings():
-            # a snapshot's arrays are read-only, and this state dict is only read: load_state_dict copies it
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
-            by_param[id(p)] = torch.from_numpy(np.asarray(flat, dtype=np.float32)).view(p.shape)
-    state = template.state_dict()
-    for name, p in template.named_parameters(remove_duplicate=False):
-        state[name] = by_param[id(p)]
-    return state
-
-
-class _SnapshotFollower:
-    """Reloads the engine's weights after every new training step (runs on the training thread)."""
-
-    def __init__(self, engine: SplitEngine, template: torch.nn.Module):
-        self._engine = engine
-        self._template = template  # shapes and tied-parameter layout; never run
-        self._lock = threading.Lock()
-
-    def __call__(self, snap) -> None:
-        with self._lock:
-            if snap.step == self._engine.weights_step:
-                return
-            if snap.step < self._engine.weights_step:
-                logger.warning("ignoring split reload to older step %d (serving %d)", snap.step, self._engine.weights_step)
-                return
-            self._engine.load_weights(snapshot_state_dict(self._template, snap.f32), snap.step)
-
-
-def for_node(node, config: SplitConfig, tokenizer: Any = None) -> SplitService:
-    """The split service of a started TrainingNode (its shared model, or `config.split_model`)."""
+def for_node(node, config: SplitConfig, tokenizer: Any = None, models=None) -> SplitService:
+    """The split service of a started TrainingNode (its shared model, or `config.split_model`). `models`: the node's
+    node.frozen.SnapshotModels, shared with the /v1 engine (one of its own when None)."""
     if config.split_model:
         return from_pretrained(config.split_model, config, tokenizer, device=node.device.torch_device)
-    from dtrain.node.model import build_model, embedding_tensor_id, meta_template
+    from dtrain.node.frozen import SnapshotModels
+    from dtrain.node.model import embedding_tensor_id, meta_template
 
     model_config = node.model_config
-    model = build_model(model_config)  # our own copy: the node's model is being trained
-    snap = node.snapshot()
-    model.load_state_dict(snapshot_state_dict(model, snap.f32), strict=True)
+    model = meta_template(model_config)  # shapes only: the engine reads the snapshot's bytes (node.frozen)
+    if models is None:
+        models = SnapshotModels.following(node, model)
     experts = _experts(config, model.config.hidden_size)
     he = _he(config, experts)
     engine = SplitEngine(model, lambda: node.step, _kv(config), config.dp, experts, he=he,
-                         device=node.device.torch_device)
-    follower = _SnapshotFollower(engine, meta_template(model_config))  # shapes only; `model` is freed on return
-    if engine.weights_step != snap.step:  # the node stepped while we were building
-        engine.load_weights(snapshot_state_dict(model, snap.f32), snap.step)
-    node.add_snapshot_listener(follower)
-    follower(node.snapshot())  # a step published before the listener was registered
+                         device=node.device.torch_device, source=models)
     facts = ModelFacts(
         name=model_config.name,
         hidden_size=model.config.hidden_size,
