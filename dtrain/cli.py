@@ -54,6 +54,7 @@ def build(config: NodeConfig) -> Built:
     """Build everything `dtrain-node` runs from a config: the training node (started: it joins the swarm, so call
     this on the main thread), the split and serving services, the tokenizer and the dataset, and the bridge's app.
     Nothing listens yet; the caller runs the app (`_serve` on `config.port`, tests on a port of their own)."""
+    from dtrain.node import memory
     from dtrain.node.assets import tokenizer_files
     from dtrain.node.corpus import load_corpus
     from dtrain.node.data import TokenDataset
@@ -64,6 +65,7 @@ def build(config: NodeConfig) -> Built:
     from dtrain.node.tokenizer import load_tokenizer
     from dtrain.node.train.trainer import TrainingNode
 
+    memory.cap_mmap_threshold()  # freed tensors go back to the system (node.memory)
     imported = None
     if config.init_from:
         from dtrain.node.hfdir import HFImportError, read as read_hf

@@ -51,3 +51,23 @@ def test_without_it_pickling_moves_the_state():
     before = buffer.data_ptr()
     ForkingPickler(io.BytesIO()).dump([buffer])
     assert buffer.is_shared() and buffer.data_ptr() != before  # the hazard keep_state_shared prevents
+
+
+def test_a_load_keeps_the_state_tensors_hivemind_averages_in_place():
+    """hivemind's state averager averages the optimizer's own state tensors (reuse_tensors): a load (a download, a
+    checkpoint) puts its values into those tensors instead of replacing them."""
+    params = [torch.nn.Parameter(torch.randn(50, 50)), torch.nn.Parameter(torch.randn(7))]
+    opt = keep_state_shared(torch.optim.AdamW(params, lr=1e-3))
+    assert all(p.grad is not None and p.grad.is_shared() and not p.grad.any() for p in params)
+    for p in params:
+        p.grad.copy_(torch.randn_like(p))
+    opt.step()
+    kept = [opt.state[p]["exp_avg"] for p in params]
+    saved = opt.state_dict()
+    loaded = {k: {n: v * 3 if torch.is_tensor(v) and n != "step" else v for n, v in s.items()}
+              for k, s in saved["state"].items()}
+    want = [loaded[i]["exp_avg"].clone() for i in range(len(params))]
+    opt.load_state_dict({**saved, "state": loaded})
+    assert all(opt.state[p]["exp_avg"] is k for p, k in zip(params, kept))
+    assert all(torch.equal(k, w) for k, w in zip(kept, want))
+    _pickle_moves_nothing(opt)

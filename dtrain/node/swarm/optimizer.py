@@ -27,6 +27,7 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
+from dtrain.node import memory
 from dtrain.node.lowcomm import codec as lowcomm_codec
 from dtrain.node.lowcomm.gather import SparseGatherAverager
 from dtrain.node.swarm.commit import AbortedRound, CommittingGradientAverager, chunk_timeout
@@ -111,8 +112,13 @@ def make_local_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.op
 
 
 def keep_state_shared(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Keep `optimizer`'s parameters and every CPU tensor of its state in shared memory: the parameters now, the state
-    now, after each step and after each load.
+    """Keep `optimizer`'s parameters, their gradient buffers and every CPU tensor of its state in shared memory: the
+    parameters and gradient buffers now, the state now, after each step and after each load. A load copies the
+    loaded values into the state tensors there were before it, so they stay the tensors hivemind's state averager
+    averages in place (`reuse_tensors`).
+
+    Called before hivemind forks its processes: what the node holds privately at a fork, each child keeps a copy of
+    once the node writes it (node.memory).
 
     hivemind hands a peer that downloads this node's state the parameters and the optimizer's state tensors through
     a multiprocessing pipe, after it let go of its lock (with an optimizer given to it, hivemind averages copies and
@@ -127,6 +133,8 @@ def keep_state_shared(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
             for p in group["params"]:
                 if p.device.type == "cpu" and not p.is_shared():
                     p.share_memory_()
+                if p.grad is None and p.device.type == "cpu":  # hivemind accumulates in them (reuse_grad_buffers)
+                    p.grad = memory.shared_zeros(p.numel()).view_as(p)
 
     def share(*_) -> None:
         for state in optimizer.state.values():
@@ -134,9 +142,28 @@ def keep_state_shared(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
                 if torch.is_tensor(value) and value.device.type == "cpu" and not value.is_shared():
                     value.share_memory_()
 
+    before_load: dict[int, dict] = {}
+
+    def remember(opt, _state_dict) -> None:
+        before_load.clear()
+        before_load.update({id(p): dict(opt.state[p]) for p in opt.state})
+
+    def restore(opt) -> None:
+        with torch.no_grad():
+            for p, state in opt.state.items():
+                for key, loaded in list(state.items()):
+                    kept = before_load.get(id(p), {}).get(key)
+                    if torch.is_tensor(loaded) and torch.is_tensor(kept) and kept.shape == loaded.shape and \
+                            kept.dtype == loaded.dtype and kept.device == loaded.device:
+                        kept.copy_(loaded)
+                        state[key] = kept
+        before_load.clear()
+        share()
+
     share()
     optimizer.register_step_post_hook(share)
-    optimizer.register_load_state_dict_post_hook(share)
+    optimizer.register_load_state_dict_pre_hook(remember)
+    optimizer.register_load_state_dict_post_hook(restore)
     return optimizer
 
 
@@ -190,13 +217,43 @@ class SwarmStateAverager(KeyGatedServicer, TrainingStateAverager):
     """hivemind's state averager (parameter and state averaging, state downloads) whose RPCs, in a closed swarm,
     answer only peers that prove the key (node.swarm.keygate), and whose downloads are one moment's state."""
 
+    def __init__(self, *args, **kwargs):
+        # the parameters and optimizer state are the averaged tensors themselves (they are in shared memory already,
+        # node.swarm.optimizer.keep_state_shared): no second copy of them (up to 3P). An all-reduce then writes the
+        # training tensors: it holds lock_averaged_tensors while it does, and `step` waits for it to let go
+        super().__init__(*args, reuse_tensors=True, **kwargs)
+
+    def step(self, *args, averaging_round: bool = False, averaging_control=None, increment_epoch: bool = False,
+             averaging_opts: Optional[dict] = None, **kwargs):
+        """hivemind's, and once it returns, no all-reduce of this round writes the training tensors any more.
+
+        hivemind waits for a state round only until its timeout; the round may then still find its group and
+        average in place while the node reads and writes the parameters. A round not begun is cancelled, and one
+        that is running holds lock_averaged_tensors until it is done, so taking that lock waits for it. A round
+        hivemind would begin inside its step is begun here, as it would (gathering the epoch after the step), so
+        that it can be cancelled."""
+        if averaging_round and averaging_control is None:
+            averaging_control = self.schedule_step(gather=self.local_epoch + int(increment_epoch),
+                                                   **(averaging_opts or {}))
+        output = super().step(*args, averaging_round=averaging_round, averaging_control=averaging_control,
+                              increment_epoch=increment_epoch, averaging_opts=averaging_opts, **kwargs)
+        if averaging_round and averaging_control is not None and not averaging_control.done():
+            averaging_control.cancel()
+        if averaging_round:
+            with self.lock_averaged_tensors:
+                pass
+        return output
+
     def get_current_state(self):
         """hivemind's, with every tensor copied now. hivemind hands the downloading peer's stream views of the live
         parameters and optimizer state and serializes each when the stream reaches it; over a home uplink that is
         tens of seconds later, after the node's next updates: a torn state (parameters of one moment, momentum of
-        another) that no digest check of the parameters can catch, and a joiner that never catches up."""
+        another) that no digest check of the parameters can catch, and a joiner that never catches up. The copies
+        are made under lock_averaged_tensors, which an all-reduce writing the same tensors holds."""
         metadata, tensors, infos = super().get_current_state()
-        return metadata, [t.clone() for t in tensors], infos
+        with self.lock_averaged_tensors:
+            tensors = [t.clone() for t in tensors]
+        return metadata, tensors, infos
 
 
 class SwarmOptimizer(hivemind.Optimizer):
@@ -419,6 +476,8 @@ class Swarm:
                                                  config.host_maddrs, config.announce_maddrs, swarm_key=swarm_key)
         logger.info(self.reachability.describe())
         client = self.reachability.mode == "client"
+        keep_state_shared(local_optimizer)  # before hivemind forks its first process, and can hand the state out
+        memory.trim()  # what the moves to shared memory freed is not inherited by the forks either
         with identity_kwargs(self.owner, identity_path) as identity, _closed_join(self.closed):
             self.dht = hivemind.DHT(
                 initial_peers=list(config.initial_peers),
@@ -458,7 +517,6 @@ class Swarm:
                 averager = partial(SparseGatherAverager, record_subkey=self.owner.subkey, swarm_key=swarm_key,
                                    fraction=config.topk_fraction)
                 low["average_state_every"] = NEVER
-            keep_state_shared(local_optimizer)  # before hivemind can hand its state to a downloading peer
             self.optimizer = SwarmOptimizer(
                 local_gradients=local_gradients,
                 update_bonus=peer_bonus(self.peer_id),

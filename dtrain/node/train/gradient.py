@@ -15,6 +15,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
+from dtrain.node import memory
 from dtrain.node.contribution import Contribution, add_sections
 
 
@@ -40,7 +41,9 @@ class GradientCounters:
 
 class PendingGradient:
     def __init__(self, tensor_elements: Sequence[int]):
-        self.sums = [torch.zeros(int(n)) for n in tensor_elements]  # per tensor: sum(samples * grad), flat
+        # per tensor: sum(samples * grad), flat; in shared memory, since hivemind's processes fork after them
+        # (node.memory)
+        self.sums = [memory.shared_zeros(n) for n in tensor_elements]
         self.samples = 0
         self.packets = 0
         self.local_samples = 0  # samples of the node's own data (for --local-samples-per-update)

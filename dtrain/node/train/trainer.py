@@ -40,7 +40,8 @@ from dtrain.node.swarm.presence import ANNOUNCE_EVERY_S, PeerInfo, Presence
 from dtrain.node.train.reference import ReferenceConfig, ReferenceSource
 from dtrain.node.train.robust import RobustAggregator, RobustConfig, all_finite, optimizer_state_tensors
 from dtrain.node.snapshot import Snapshot, make_snapshot, params_digest
-from dtrain.node.swarm.optimizer import SHUTDOWN_TIMEOUT_S, Swarm, make_local_optimizer, regroup_state_dict
+from dtrain.node.swarm.optimizer import (SHUTDOWN_TIMEOUT_S, Swarm, keep_state_shared, make_local_optimizer,
+                                         regroup_state_dict)
 
 logger = get_logger(__name__)
 
@@ -250,6 +251,7 @@ class TrainingNode:
         if self.low_comm:  # hivemind wraps the outer step; the inner AdamW is this node's own
             inner, local_opt = local_opt, OuterNesterov(self.model.parameters(), lr=cfg.swarm.outer_lr,
                                                         momentum=cfg.swarm.outer_momentum)
+            keep_state_shared(inner)  # hivemind forks its processes after this (node.memory)
         if restored is not None and restored.model_config is not None and \
                 restored.model_config.architecture() != self.model_config.architecture():
             raise ConfigError(f"the checkpoint in {cfg.checkpoint_dir} holds a model of shape "

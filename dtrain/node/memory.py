@@ -1,0 +1,61 @@
+"""What keeps a node's memory at the copies it needs (docs/memory.md): large tensors in shared memory before
+hivemind forks its processes, and freed memory handed back to the system.
+
+hivemind starts its DHT and averagers as processes forked from the node's. A child shares the pages the node had at
+the fork until one side writes them; the node then gets a copy of each page it writes or frees and reuses, and the
+child keeps the old one. The node writes every large tensor it held at the fork (parameters, optimizer state,
+gradients) and frees others, so each child ended up with a private copy of them: 0.7 to 1 GiB per child for GPT-2
+small. Tensors in shared memory are not copied on write (both sides map the same pages), and pages handed back to
+the system before the fork are not inherited at all.
+
+glibc keeps freed blocks below its mmap threshold in its heap, and raises that threshold (to 32 MiB) each time a
+larger block is freed: every tensor of GPT-2 small but the embeddings then stayed in the heap once freed, and a
+transient copy of the model stayed resident for good. `cap_mmap_threshold` pins it, so blocks of 1 MiB or more are
+mapped and unmapped on their own.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from typing import Iterable, Optional
+
+import torch
+
+MMAP_THRESHOLD_BYTES = 1 << 20  # blocks at least this large are their own mappings, returned to the system on free
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+
+
+def _libc() -> Optional[ctypes.CDLL]:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        libc = ctypes.CDLL(name)
+    except OSError:
+        return None
+    return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None  # glibc only
+
+
+def trim() -> bool:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim); False where there is no glibc."""
+    libc = _libc()
+    return bool(libc is not None and libc.malloc_trim(0))
+
+
+def cap_mmap_threshold(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Pin glibc's mmap threshold (see the module docstring); False where there is no glibc."""
+    libc = _libc()
+    return bool(libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, int(nbytes)))
+
+
+def share(tensors: Iterable[torch.Tensor]) -> None:
+    """Move CPU tensors into shared memory, in place (their storage moves; views and the objects stay valid)."""
+    with torch.no_grad():
+        for t in tensors:
+            if t.device.type == "cpu" and not t.is_shared():
+                t.share_memory_()
+
+
+def shared_zeros(elements: int) -> torch.Tensor:
+    """A flat float32 tensor of zeros in shared memory (filled there: no private copy on the way)."""
+    return torch.zeros(int(elements)).share_memory_()
