@@ -10,6 +10,7 @@ import hashlib
 import mmap
 import os
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from typing import BinaryIO, Iterable, Optional
 
@@ -17,20 +18,51 @@ import numpy as np
 import torch
 
 
+class _Half:
+    """A snapshot's FP16 copy, converted on first use (under a lock: the bridge's threads may ask together)."""
+
+    def __init__(self, f32_flat: torch.Tensor, sizes: list[int]):
+        self._f32_flat, self._sizes = f32_flat, sizes  # the FP32 buffer, as a tensor made while it was writable
+        self._lock = threading.Lock()
+        self._built: Optional[tuple[tuple[np.ndarray, ...], BinaryIO]] = None
+
+    def get(self) -> tuple[tuple[np.ndarray, ...], BinaryIO]:
+        with self._lock:
+            if self._built is None:
+                f16_file, f16_bytes = _file_buffer(2 * self._f32_flat.numel(), "dtrain-snapshot-f16")
+                f16_flat = f16_bytes.view(np.float16)
+                # torch converts with F16C, ~15x faster than numpy's software cast; both round to nearest even, so
+                # the bytes equal numpy's astype(float16) (the conformance test compares them)
+                torch.from_numpy(f16_flat).copy_(self._f32_flat)
+                f16_flat.setflags(write=False)
+                self._built = (_views(f16_flat, self._sizes), f16_file)
+            return self._built
+
+
 @dataclass(frozen=True)
 class Snapshot:
-    """The parameters of one step; never mutated after publication, so readers need no lock."""
+    """The parameters of one step; never mutated after publication, so readers need no lock.
+
+    The FP16 copy is made on first use (`f16`, `f16_file`): a node no browser downloads from holds none."""
 
     step: int  # API step: hivemind epoch + 1
     updates: int  # optimizer updates applied (the epoch)
     f32: tuple[np.ndarray, ...]  # flat float32 copies in manifest order (read-only views of f32_file)
-    f16: tuple[np.ndarray, ...]  # the same, converted to FP16 once per step (read-only views of f16_file)
     digest: str  # sha256 over the FP32 bytes of every tensor in order
     # The files behind f32 / f16: tensor i starts at byte f32_offsets[i] (f16_offsets[i]); None when built by hand.
     f32_file: Optional[BinaryIO] = field(default=None, repr=False, compare=False)
-    f16_file: Optional[BinaryIO] = field(default=None, repr=False, compare=False)
     f32_offsets: tuple[int, ...] = field(default=(), repr=False, compare=False)
     f16_offsets: tuple[int, ...] = field(default=(), repr=False, compare=False)
+    _half: Optional[_Half] = field(default=None, repr=False, compare=False)
+
+    @property
+    def f16(self) -> tuple[np.ndarray, ...]:
+        """The same, converted to FP16 once per step (read-only views of f16_file)."""
+        return self._half.get()[0]
+
+    @property
+    def f16_file(self) -> BinaryIO:
+        return self._half.get()[1]
 
 
 def digest(arrays: Iterable[np.ndarray]) -> str:
@@ -74,17 +106,13 @@ def make_snapshot(model: torch.nn.Module, epoch: int) -> Snapshot:
     sizes = [int(p.numel()) for p in params]
     total = sum(sizes)
     f32_file, f32_bytes = _file_buffer(4 * total, "dtrain-snapshot-f32")
-    f16_file, f16_bytes = _file_buffer(2 * total, "dtrain-snapshot-f16")
-    f32_flat, f16_flat = f32_bytes.view(np.float32), f16_bytes.view(np.float16)
+    f32_flat = f32_bytes.view(np.float32)
+    f32_tensor = torch.from_numpy(f32_flat)
     if params:
-        torch.cat(params, out=torch.from_numpy(f32_flat))
-    # torch converts with F16C, ~15x faster than numpy's software cast; both round to nearest even, so the bytes
-    # equal numpy's astype(float16) (the conformance test compares them)
-    torch.from_numpy(f16_flat).copy_(torch.from_numpy(f32_flat))
-    f32, f16 = _views(f32_flat, sizes), _views(f16_flat, sizes)
+        torch.cat(params, out=f32_tensor)
+    f32 = _views(f32_flat, sizes)
     f32_flat.setflags(write=False)
-    f16_flat.setflags(write=False)
     offsets = np.cumsum([0] + sizes[:-1]).tolist() if sizes else []
-    return Snapshot(step=epoch + 1, updates=epoch, f32=f32, f16=f16, digest=digest(f32),
-                    f32_file=f32_file, f16_file=f16_file,
-                    f32_offsets=tuple(4 * o for o in offsets), f16_offsets=tuple(2 * o for o in offsets))
+    return Snapshot(step=epoch + 1, updates=epoch, f32=f32, digest=digest(f32), f32_file=f32_file,
+                    f32_offsets=tuple(4 * o for o in offsets), f16_offsets=tuple(2 * o for o in offsets),
+                    _half=_Half(f32_tensor, sizes))

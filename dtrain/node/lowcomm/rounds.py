@@ -19,7 +19,7 @@ and `leave_outer` leave it as it was, since the whole pseudo-gradient goes back 
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -37,7 +37,8 @@ class InnerRounds:
         self.inner = inner
         self.inner_steps = inner_steps
         self.anchor = [p.detach().clone() for p in self.params]
-        self._inner = [torch.zeros_like(p) for p in self.params]  # the inner updates' parameters, set aside
+        # the inner updates' parameters, set aside during an outer round only (P less between rounds)
+        self._inner: Optional[list[torch.Tensor]] = None
         self.steps = 0  # inner updates since the anchor (carried ones included)
         self.in_outer = False
         self.fraction = fraction
@@ -85,15 +86,17 @@ class InnerRounds:
         if self.in_outer:
             return
         with torch.no_grad():
-            for a, p, q in zip(self.anchor, self.params, self._inner):
-                q.copy_(p)
+            self._inner = [p.detach().clone() for p in self.params]
+            for a, p in zip(self.anchor, self.params):
                 p.copy_(a)
         self.in_outer = True
 
-    def set_aside(self) -> dict[int, torch.Tensor]:
+    def set_aside(self) -> Mapping[int, torch.Tensor]:
         """id(parameter) -> the inner updates' value of it, set aside inside an outer round (where a node alone's
-        passthrough outer step lands it: node.lowcomm.outer)."""
-        return {id(p): q for p, q in zip(self.params, self._inner)}
+        passthrough outer step lands it: node.lowcomm.outer); enters the round. The mapping reads the round in
+        progress and holds no tensor of its own, so the set-aside values go once the round is over."""
+        self.enter_outer()
+        return _SetAside(self)
 
     def at_anchor(self) -> bool:
         """The parameters are the anchor's bytes (the ones the node serves): others may download them."""
@@ -109,7 +112,7 @@ class InnerRounds:
         with torch.no_grad():
             for p, q in zip(self.params, self._inner):
                 p.copy_(q)
-        self.in_outer, self._offer = False, None
+        self.in_outer, self._offer, self._inner = False, None, None
 
     def settle(self) -> None:
         """The parameters hold an outer update that applied this node's offer: the next anchor. What the offer left
@@ -121,7 +124,7 @@ class InnerRounds:
                     e.add_(d).sub_(o)
             for a, p in zip(self.anchor, self.params):
                 a.copy_(p)
-        self.steps, self.in_outer, self._offer = 0, False, None
+        self.steps, self.in_outer, self._offer, self._inner = 0, False, None, None
 
     def carry(self) -> None:
         """The parameters hold the swarm's bytes without this node's pseudo-gradient (or still the anchor: nothing
@@ -136,4 +139,27 @@ class InnerRounds:
             for a, p, d in zip(self.anchor, self.params, delta):
                 a.copy_(p)
                 p.sub_(d)
-        self.in_outer, self._offer = False, None
+        self.in_outer, self._offer, self._inner = False, None, None
+
+
+class _SetAside(Mapping):
+    """InnerRounds.set_aside: id(parameter) -> its set-aside value while an outer round is in progress."""
+
+    def __init__(self, rounds: InnerRounds):
+        self._rounds = rounds
+        self._index = {id(p): i for i, p in enumerate(rounds.params)}
+
+    def __getitem__(self, key: int) -> torch.Tensor:
+        inner = self._rounds._inner
+        if inner is None:
+            raise KeyError(key)  # no round in progress
+        return inner[self._index[key]]
+
+    def __contains__(self, key: object) -> bool:
+        return self._rounds._inner is not None and key in self._index
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._index if self._rounds._inner is not None else ())
+
+    def __len__(self) -> int:
+        return len(self._index) if self._rounds._inner is not None else 0

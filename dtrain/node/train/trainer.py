@@ -500,6 +500,7 @@ class TrainingNode:
         outcome = opt.last_round
         if outcome is not round_before and outcome.epoch == opt.local_epoch:
             self._refuse_non_finite(before)
+            del before  # the served snapshot until the next one is published: then its bytes can go
             self._after_update(outcome, time.monotonic() - started)
             self._updated(time.monotonic() - started)
         else:  # hivemind downloaded the swarm's state inside step() ("Peer is out of sync")

@@ -1,0 +1,26 @@
+import threading
+
+import numpy as np
+import pytest
+
+from dtrain.node.config import ModelConfig
+from dtrain.node.model import build_model
+from dtrain.node.snapshot import make_snapshot
+from tests.nodeproc import TINY_CONFIG
+
+pytestmark = pytest.mark.unit
+
+
+def test_fp16_is_made_once_on_first_use_and_equals_numpys_cast():
+    snap = make_snapshot(build_model(ModelConfig.load(TINY_CONFIG)), 2)
+    assert snap._half._built is None  # nobody asked: no FP16 copy held
+    seen = []
+    threads = [threading.Thread(target=lambda: seen.append(snap.f16)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(s is seen[0] for s in seen)  # one conversion, whoever asked first
+    assert all(np.array_equal(h.view(np.uint16), a.astype(np.float16).view(np.uint16)) for h, a in zip(snap.f16, snap.f32))
+    whole = snap.f16_file.read()
+    assert [whole[o:o + h.nbytes] for o, h in zip(snap.f16_offsets, snap.f16)] == [h.tobytes() for h in snap.f16]
