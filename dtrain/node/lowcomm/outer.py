@@ -40,7 +40,12 @@ class OuterNesterov(torch.optim.Optimizer):
                     else:
                         p.sub_(p.grad)
                     continue
-                buf = self.state[p]["momentum_buffer"]
-                buf.mul_(mu).add_(p.grad)
-                p.add_(p.grad.add(buf, alpha=mu), alpha=-lr)  # Nesterov: g + mu * buf
+                nesterov_(p, p.grad, self.state[p]["momentum_buffer"], lr, mu)
         return None
+
+
+def nesterov_(p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, lr: float, mu: float) -> None:
+    """One outer step in place, elementwise: a range of a tensor steps to the same bits as the whole tensor does
+    (node.lowcomm.ranges brings downloaded ranges forward with it)."""
+    buf.mul_(mu).add_(g)
+    p.add_(g.add(buf, alpha=mu), alpha=-lr)  # Nesterov: g + mu * buf
