@@ -1,5 +1,5 @@
 """examples/pngplot.py: the PNG bytes decode, by the format's own rules, to the pixels drawn; the glyphs and the
-plot land where they are drawn."""
+plot land where they are drawn. And examples/train_corpus.py's flags."""
 from __future__ import annotations
 
 import importlib.util
@@ -71,3 +71,11 @@ def test_glyphs_and_plot(tmp_path):
     # axes' top left corner
     assert (img[30 - 2:30 + 3, 70 - 2:70 + 3] == pngplot.COLORS[0]).all(axis=2).any()
 
+
+def test_train_corpus_flags():
+    train_corpus = _example("train_corpus")
+    args = train_corpus.parse_args(["--nodes", "1,3", "--samples", "800"])
+    assert args.node_counts == [1, 3] and args.samples == 800
+    for bad in (["--nodes", "0"], ["--nodes", "one"], ["--held-out-fraction", "0.9"]):
+        with pytest.raises(SystemExit):
+            train_corpus.parse_args(bad)
