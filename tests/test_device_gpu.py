@@ -12,11 +12,12 @@ import torch
 from dtrain.node.config import DEFAULT_STATIC_DIR, ModelConfig, NodeConfig, SwarmConfig, TrainConfig
 from dtrain.node.corpus import load_corpus
 from dtrain.node.device import CPU, resolve
-from dtrain.node.model import build_model
+from dtrain.node.frozen import SnapshotModels
+from dtrain.node.model import build_model, embedding_tensor_id, meta_template
 from dtrain.node.serve.config import ServeConfig
 from dtrain.node.serve.engine import Generation, ServeEngine
 from dtrain.node.serve.sampling import SamplingParams
-from dtrain.node.serve.weights import FixedWeights
+from dtrain.node.serve.weights import FixedWeights, SnapshotWeights
 from dtrain.node.snapshot import params_digest
 from dtrain.node.split.dp import DPConfig
 from dtrain.node.split.engine import SplitEngine
@@ -92,6 +93,33 @@ def test_a_node_on_cuda_trains_and_serves_its_fp32_master_bytes():
         assert served.dtype == np.float32 and served.tobytes() == p.detach().numpy().tobytes()
     assert snap.digest == params_digest(node.model) != seed
     assert snap.digest == hashlib.sha256(b"".join(a.tobytes() for a in snap.f32)).hexdigest()
+
+    # the node's engines read the step through its shared models: on the GPU, one copy of the snapshot there
+    models = SnapshotModels(node.snapshot, meta_template(node.model_config))
+    on_gpu = models.current(CUDA)
+    assert on_gpu is models.current(CUDA) and on_gpu.step == snap.step
+    for p, served in zip(on_gpu.model.parameters(), snap.f32):
+        assert p.device == CUDA and np.array_equal(p.detach().cpu().numpy().reshape(-1), served)
+    tok = load_tokenizer(DEFAULT_STATIC_DIR)
+    prompts = [tok.encode(text).ids for text in ("To be, or not to be", "Once upon a time there")]
+    runs = {}
+    for device in (torch.device("cpu"), CUDA):
+        engine = ServeEngine(SnapshotWeights(models, device), lambda ids: tok.decode(list(ids)), ServeConfig(),
+                             eos_token_id=50256, device=device)
+        engine.start()
+        try:
+            runs[device.type] = _greedy(engine, prompts)
+        finally:
+            engine.stop()
+        template = meta_template(node.model_config)
+        split = SplitEngine(template, lambda: node.step, KVCacheStore(), DPConfig(), ExpertRegistry(), device=device,
+                            source=models)
+        wte = torch.from_numpy(np.array(snap.f32[embedding_tensor_id(template)])).view(-1, node.model_config.d_model)
+        runs[device.type + " split"] = split.forward(wte[torch.tensor(prompts[0])].numpy()).pre_activations
+    for (cpu_tokens, cpu_lp), (gpu_tokens, gpu_lp) in zip(runs["cpu"], runs["cuda"]):
+        assert gpu_tokens == cpu_tokens and cpu_tokens
+        np.testing.assert_allclose(gpu_lp, cpu_lp, atol=1e-3, rtol=0)
+    np.testing.assert_allclose(runs["cuda split"], runs["cpu split"], atol=2e-4, rtol=1e-4)
 
 
 def _greedy(engine: ServeEngine, prompts) -> list[tuple[list[int], list[float]]]:
