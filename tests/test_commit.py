@@ -180,6 +180,27 @@ def test_a_member_slow_within_the_commit_window_does_not_abort_the_round():
             assert values == [2.0], f"member {i} was handed {values}, not the average over all three (2.0)"
 
 
+def test_a_committed_round_is_timed_and_a_new_deadline_reaches_the_averagers_processes(committing):
+    before = [averager.exchanges.read()[0] for _, averager in committing]
+    test_a_complete_round_is_applied_by_every_member_as_the_average_of_all(committing)
+    for (_, averager), count in zip(committing, before):
+        rounds, exchange_s = averager.exchanges.read()
+        assert rounds == count + 1 and 0.0 < exchange_s < OPTS["allreduce_timeout"]
+    # a deadline too short for 16 MB (its commit window closes 0.1 s into the exchange): every member runs out
+    for _, averager in committing:
+        averager.set_allreduce_timeout(1.6, OPTS["next_chunk_timeout"])
+    try:
+        outcomes = run_round(committing)
+    finally:
+        for _, averager in committing:
+            averager.set_allreduce_timeout(OPTS["allreduce_timeout"], OPTS["next_chunk_timeout"])
+    for i, (result, _) in enumerate(outcomes):
+        assert (isinstance(result, AbortedRound) and result.ran_out) or isinstance(result, TimeoutError), \
+            f"member {i}: {result!r}"
+    assert [averager.exchanges.read()[0] for _, averager in committing] == [c + 1 for c in before]
+    test_a_complete_round_is_applied_by_every_member_as_the_average_of_all(committing)
+
+
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="hivemind's own averager hands members partial averages: what node.commit "
                                        "prevents")
 def test_without_the_commit_step_members_apply_partial_averages():

@@ -53,6 +53,45 @@ def test_throughput_estimate_ignores_empty_rounds():
     assert t.bps == pytest.approx(200.0)
 
 
+def test_a_completed_round_measures_the_rate_and_only_a_slower_one_than_the_link_lengthens_the_deadline():
+    d = deadline.RoundDeadlines(sized_bytes=250e6, floor_s=30.0, link_mbit=20.0)  # 300 s at 2.5 MB/s, x3
+    assert d.current().seconds == pytest.approx(300.0)
+    d.completed(100e6, 10.0)  # 10 MB/s: faster than the link, which still decides
+    assert d.current().seconds == pytest.approx(300.0) and "20 Mbit/s" in d.current().why
+    d.completed(10e6, 10.0)  # 1 MB/s: the running estimate is 5.5 MB/s, still faster than the link
+    assert d.current().seconds == pytest.approx(300.0)
+    d.completed(1e6, 10.0)  # 0.1 MB/s now (a busy host, or a slower link): 2.8 MB/s, then 0.1 MB/s measured
+    d.completed(1e6, 10.0)
+    slow = d.current()
+    assert slow.seconds == pytest.approx(3.0 * 250e6 / (0.25 * 5.5e6 + 0.5 * 1e5 + 0.25 * 1e5))
+    assert "measured" in slow.why
+    for _ in range(20):  # the link recovers: the estimate follows, and the link's rate bounds it again
+        d.completed(100e6, 10.0)
+    assert d.current().seconds == pytest.approx(300.0)
+
+
+def test_a_round_that_ran_out_doubles_the_next_deadline_until_one_completes():
+    # no rate configured and a fast first measurement: the floor; then the link slows down and rounds run out,
+    # which measure nothing: without growing, the deadline would stay at the floor and every round abort
+    d = deadline.RoundDeadlines(sized_bytes=250e6, floor_s=30.0, link_mbit=0.0)
+    d.completed(1e9, 1.0)
+    assert d.current().seconds == 30.0
+    seconds = [30.0]
+    for _ in range(3):
+        d.ran_out(seconds[-1])
+        seconds.append(d.current().seconds)
+    assert seconds == pytest.approx([30.0, 60.0, 120.0, 240.0])
+    d.completed(250e6 / 200.0 * 1.0, 1.0)  # the round at 240 s completed: the link moves its bytes in 200 s
+    assert d.current().seconds == pytest.approx(3.0 * 250e6 / (0.5 * 250e6 / 200.0 + 0.5 * 3.0 * 250e6 / 240.0))
+    for _ in range(10):  # rounds that keep running out (a member frozen in each) stop growing it at 16x the first
+        d.ran_out(d.current().seconds)
+    assert d.current().seconds == pytest.approx(16 * 30.0)
+    # the link's rate is a lower bound the measurement never goes past; a run-out one below it still grows
+    d = deadline.RoundDeadlines(sized_bytes=250e6, floor_s=30.0, link_mbit=20.0)
+    d.ran_out(d.current().seconds)
+    assert d.current().seconds == pytest.approx(600.0) and "ran out of time" in d.current().why
+
+
 def test_outer_nesterov_matches_torch_sgd_and_passthrough_is_the_inner_update():
     torch.manual_seed(0)
     a, b = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(5))

@@ -109,7 +109,9 @@ class SwarmConfig:
                                                     "growing this long, seconds")  # keeps the pace when a peer leaves
     matchmaking_time_s: float = option(5.0, "--matchmaking-time", "seconds to gather an averaging group "
                                                                   "(must exceed --request-timeout)")
-    averaging_timeout_s: float = option(30.0, "--averaging-timeout", "bound on one all-reduce round, seconds")
+    averaging_timeout_s: float = option(30.0, "--averaging-timeout", "the shortest deadline of one all-reduce "
+                                        "round, seconds; it grows to fit a round's bytes at the throughput earlier "
+                                        "rounds measured (and in low-comm at --link-mbit)")
     request_timeout_s: float = option(3.0, "--request-timeout", "bound on one averaging RPC, seconds")
     load_state_timeout_s: float = 120.0  # bound on downloading state from a peer, seconds
     # how the node joins (docs/home-nodes.md): a full peer that others dial, or a client-mode peer that dials out
@@ -135,8 +137,8 @@ class SwarmConfig:
     topk_fraction: float = option(0.2, "--topk-fraction", "low-comm, sparse codec: the fraction of each tensor's "
                                   "elements a round sends; the rest waits in the node's error feedback")
     link_mbit: float = option(10.0, "--link-mbit", "low-comm: the slowest link's rate, Mbit/s (default: a home "
-                              "uplink); the all-reduce deadline grows to fit its bytes at this rate (0: "
-                              "--averaging-timeout as given)")
+                              "uplink); the all-reduce deadline grows to fit its bytes at this rate or the measured "
+                              "one, whichever is slower (0: the measured one only)")
 
     def __post_init__(self):
         if self.sync not in ("per-step", "low-comm"):

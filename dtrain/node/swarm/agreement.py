@@ -109,15 +109,22 @@ class Agreement:
         # the run's name in the DHT (keyed in a closed swarm, node.swarm.swarmkey); records are signed by `owner`
         self.run_id, self.owner, self.peer_id = optimizer.run_id, owner, owner.peer_id
         self.client = bool(optimizer.client_mode)  # records say so; such a peer sets no state-sharing priority
-        # a peer whose gradient round failed matchmakes and waits out a state-averaging round too:
-        # it may finish two averaging timeouts after the others
-        self.wait_s = WAIT_MARGIN_S + config.matchmaking_time_s + 2 * config.averaging_timeout_s
-        # the members of one complete gradient round publish within one state-averaging round of each other
-        self.group_wait_s = GROUP_MARGIN_S + config.matchmaking_time_s + config.averaging_timeout_s
+        self._matchmaking_time_s = config.matchmaking_time_s
         self.seed_digest = seed_digest  # this node's parameters of epoch 0 (seeded, or imported with --init-from)
         self._records: dict[int, Record] = {}  # epoch -> what this peer published for it (the last KEEP_EPOCHS)
         self._next_recheck = 0.0
         self._swarm_epoch = 0  # the latest epoch of the swarm this peer has seen (see `saw`)
+
+    @property
+    def wait_s(self) -> float:
+        """A peer whose gradient round failed matchmakes and waits out a state-averaging round too: it may finish
+        two averaging timeouts after the others (the swarm's deadline now: node.swarm.deadlines)."""
+        return WAIT_MARGIN_S + self._matchmaking_time_s + 2 * self.optimizer.averaging_timeout
+
+    @property
+    def group_wait_s(self) -> float:
+        """The members of one complete gradient round publish within one state-averaging round of each other."""
+        return GROUP_MARGIN_S + self._matchmaking_time_s + self.optimizer.averaging_timeout
 
     # ---- records ---------------------------------------------------------------------------------------------
 

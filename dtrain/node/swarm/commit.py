@@ -22,6 +22,7 @@ one second) to show a stored value, or the members began the all-reduce that far
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
 from dataclasses import dataclass
 from typing import Optional
 
@@ -31,6 +32,7 @@ from hivemind.optim.grad_averager import GradientAverager
 from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
+from dtrain.node.swarm.deadlines import Retimable
 from dtrain.node.swarm.keygate import KeyGatedServicer
 from dtrain.node.swarm.records import by_peer
 
@@ -47,6 +49,26 @@ class AbortedRound:
     """What a gradient round returns instead of its gathered data when its average must not be applied."""
 
     reason: str
+    ran_out: bool = False  # the round ran out of time (its exchange, or a member's record, came too late)
+
+
+class ExchangeClock:
+    """How long the exchange of the last committed round took (from the group's start to this member's complete
+    average: no matchmaking before it, no commit step after it). The averager's process writes it, the node's reads
+    it after the round: a round's result carries only what hivemind gathers."""
+
+    def __init__(self):
+        self._shared = mp.Array("d", 2)  # (rounds committed, seconds of the last one's exchange)
+
+    def record(self, seconds: float) -> None:
+        with self._shared.get_lock():
+            self._shared[0] += 1
+            self._shared[1] = seconds
+
+    def read(self) -> tuple[int, float]:
+        """(rounds committed so far, the last one's exchange seconds)."""
+        with self._shared.get_lock():
+            return int(self._shared[0]), float(self._shared[1])
 
 
 def commit_window(allreduce_timeout: float) -> tuple[float, float]:
@@ -84,18 +106,20 @@ def record_key(prefix: str, group_id: bytes) -> str:
     return f"{prefix}_commit_{group_id.hex()}"
 
 
-class CommittingGradientAverager(KeyGatedServicer, GradientAverager):
+class CommittingGradientAverager(Retimable, KeyGatedServicer, GradientAverager):
     """hivemind's GradientAverager with the commit step: its round returns the gathered data when every member's
     all-reduce was complete, else an `AbortedRound` (never an exception, so hivemind does not retry a round with
     tensors a failed attempt has half averaged).
 
     `record_subkey` is this peer's signed subkey (`RecordOwner.subkey`, node.swarm.records): the DHT signs its
     outcome with the peer's identity, so no member can say complete (or incomplete) for another. With `swarm_key`
-    (a closed swarm) its RPCs answer only peers that prove the key (node.swarm.keygate).
+    (a closed swarm) its RPCs answer only peers that prove the key (node.swarm.keygate). `exchanges` times each
+    committed round's exchange; its deadline can change between rounds (node.swarm.deadlines.Retimable).
     """
 
     def __init__(self, *args, record_subkey: bytes, **kwargs):
         self.record_subkey = record_subkey
+        self.exchanges = ExchangeClock()  # before the process starts: it shares the memory
         super().__init__(*args, **kwargs)
 
     def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None):
@@ -112,15 +136,18 @@ class CommittingGradientAverager(KeyGatedServicer, GradientAverager):
             gathered, reason = await self._exchange(group_info, min_vector_size, **kwargs)
         except Exception as e:  # hivemind wraps every failure of the round in a MatchmakingException
             gathered, reason = None, f"the all-reduce failed ({e})"
-        if reason is None and get_dht_time() > began + publish_by:
+        exchange_s = get_dht_time() - began
+        ran_out = exchange_s >= publish_by  # the exchange used its whole window, whatever else went wrong
+        if reason is None and ran_out:
             reason = f"the all-reduce ended after the commit window ({publish_by:.1f}s)"
         key = record_key(self.prefix, group_id)
         await self._say(key, complete=reason is None)
         if reason is None:
-            reason = await self._others_incomplete(key, group_info, deadline=began + decide_by)
+            reason, ran_out = await self._others_incomplete(key, group_info, deadline=began + decide_by)
         if reason is not None:
             logger.info(f"Gradient round {group_id.hex()[:8]} aborted: {reason}")
-            return AbortedRound(reason)
+            return AbortedRound(reason, ran_out)
+        self.exchanges.record(exchange_s)
         return gathered
 
     async def _exchange(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
@@ -137,8 +164,9 @@ class CommittingGradientAverager(KeyGatedServicer, GradientAverager):
         except Exception as e:  # the others then decide without this record: they abort
             logger.warning(f"Could not publish the outcome of a gradient round: {e!r}")
 
-    async def _others_incomplete(self, key: str, group_info: GroupInfo, deadline: float) -> Optional[str]:
-        """None once every member said complete; the reason to abort when one did not, or not in time."""
+    async def _others_incomplete(self, key: str, group_info: GroupInfo, deadline: float) -> tuple[Optional[str], bool]:
+        """(None, False) once every member said complete; else the reason to abort, and whether it is that a member
+        said nothing in time."""
         members = {peer.to_base58() for peer in group_info.peer_ids}
         while True:
             found = await self.dht.get(key, latest=True, return_future=True)
@@ -146,10 +174,10 @@ class CommittingGradientAverager(KeyGatedServicer, GradientAverager):
                 found.value, dict) else {}
             failed = sorted(peer for peer in members if said.get(peer) is False)
             if failed:
-                return f"the all-reduce of {', '.join(failed)} was incomplete"
+                return f"the all-reduce of {', '.join(failed)} was incomplete", False
             missing = members - said.keys()
             if not missing:
-                return None
+                return None, False
             if get_dht_time() >= deadline:
-                return f"no outcome from {', '.join(sorted(missing))} in time"
+                return f"no outcome from {', '.join(sorted(missing))} in time", True
             await asyncio.sleep(POLL_S)

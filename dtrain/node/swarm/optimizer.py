@@ -30,7 +30,9 @@ from hivemind.utils.logging import get_logger
 from dtrain.node import memory
 from dtrain.node.lowcomm import codec as lowcomm_codec
 from dtrain.node.lowcomm.gather import SparseGatherAverager
+from dtrain.node.lowcomm.deadline import Deadline
 from dtrain.node.swarm.commit import AbortedRound, CommittingGradientAverager, chunk_timeout
+from dtrain.node.swarm.deadlines import Retimable, RoundClock
 from dtrain.node.swarm.keygate import KeyGatedServicer, start_prover
 from dtrain.node.swarm.presence import presence_validator
 from dtrain.node.swarm.records import RecordOwner, identity_kwargs
@@ -213,7 +215,7 @@ class PacedTracker(ProgressTracker):
         return get_dht_time() if self.ready_to_update_epoch else float("inf")
 
 
-class SwarmStateAverager(KeyGatedServicer, TrainingStateAverager):
+class SwarmStateAverager(Retimable, KeyGatedServicer, TrainingStateAverager):
     """hivemind's state averager (parameter and state averaging, state downloads) whose RPCs, in a closed swarm,
     answer only peers that prove the key (node.swarm.keygate), and whose downloads are one moment's state."""
 
@@ -289,6 +291,9 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.before_update: Optional[Callable[[], None]] = None
         self.on_state_loaded: Optional[Callable[[], None]] = None  # called after every download of the state
         self.node_catches_up = False  # the node brings a peer behind the swarm up to date itself (never step())
+        # each gradient round's measured exchange (or its running out of time) sets the next one's deadline
+        self.round_clock: Optional[RoundClock] = None
+        self._exchanges_seen = 0
         super().__init__(**kwargs)
 
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
@@ -375,16 +380,50 @@ class SwarmOptimizer(hivemind.Optimizer):
             group_info = maybe_step_control.result(bound)
             if not isinstance(group_info, AbortedRound):
                 self._load_averaged_gradients_into_optimizer_()
-        except BaseException as e:
-            group_info = AbortedRound(repr(e))
+        except BaseException as e:  # TimeoutError: the all-reduce's bound, or this wait's, ran out
+            group_info = AbortedRound(repr(e), ran_out=isinstance(e, TimeoutError))
         if isinstance(group_info, AbortedRound):
-            self._no_round_alone(group_info.reason)
-            logger.info(f"Gradient averaging failed ({group_info.reason}): this update uses this peer's own gradient")
+            reason = group_info.reason + self._ran_out(group_info)
+            self._no_round_alone(reason)
+            logger.info(f"Gradient averaging failed ({reason}): this update uses this peer's own gradient")
             self._load_local_gradients_into_optimizer()
             return
+        self._measured(len(group_info))
         logger.info(f"Averaged gradients with {len(group_info)} peers")
         self._round_group = tuple(sorted(str(peer) for peer in group_info))
         self._round_clean = True
+
+    def _measured(self, peers: int) -> None:
+        """A committed round: its exchange's throughput goes into the next round's deadline."""
+        exchanges = getattr(self.grad_averager, "exchanges", None)
+        if self.round_clock is None or exchanges is None:
+            return
+        count, exchange_s = exchanges.read()
+        if count != self._exchanges_seen:
+            self._exchanges_seen = count
+            self.retime(self.round_clock.completed(peers, exchange_s))
+
+    def _ran_out(self, aborted: AbortedRound) -> str:
+        """For the log line of an aborted round that ran out of time: why its deadline was what it was (the next
+        one is longer)."""
+        if self.round_clock is None or not aborted.ran_out:
+            return ""
+        spent, longer = self.round_clock.ran_out()
+        self.retime(longer)
+        return f"; out of time: its deadline was {spent.seconds:.0f}s, from {spent.why}"
+
+    def retime(self, deadline: Optional[Deadline]) -> None:
+        """The next rounds' deadline on every bound that depends on it (node.swarm.deadlines); None: as it is."""
+        if deadline is None:
+            return
+        self.averaging_timeout = self.allreduce_timeout = deadline.seconds
+        self.next_chunk_timeout = chunk_timeout(deadline.seconds)
+        for averager in (self.grad_averager, self.state_averager):
+            if isinstance(averager, Retimable):
+                try:
+                    averager.set_allreduce_timeout(deadline.seconds, self.next_chunk_timeout)
+                except Exception as e:  # its next round keeps the old bound; the node goes on
+                    logger.warning(f"{type(averager).__name__} did not take the new deadline: {e!r}")
 
     # Pre-scheduled rounds only with company. hivemind starts matchmaking for the next round ahead of it, and cancels
     # that round when the peer turns out to be alone at its update: a node alone schedules and cancels one per update.
@@ -457,7 +496,9 @@ class Swarm:
 
     def __init__(self, config: SwarmConfig, local_optimizer: torch.optim.Optimizer,
                  local_gradients: Callable[[], Sequence[torch.Tensor]], verbose: bool = False,
-                 low_comm: bool = False):
+                 low_comm: bool = False, round_clock: Optional[RoundClock] = None):
+        """`round_clock`: keeps the all-reduce deadline from each round's measured throughput (node.swarm.deadlines);
+        None: `config.averaging_timeout_s` throughout."""
         self.config = config
         # a closed swarm: the key is read (or refused) before anything starts; the run's DHT keys are then named
         # with it, and every DHT request and response carries its HMAC (node.swarm.swarmkey)
@@ -543,6 +584,7 @@ class Swarm:
                                   default_refresh_period=0.5, private_key=self.owner.private_key),
                 verbose=verbose,
             )
+            self.optimizer.round_clock = round_clock
         except BaseException:
             self.shutdown()
             raise

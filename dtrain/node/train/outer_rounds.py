@@ -7,37 +7,16 @@ aside and the error feedback). Training thread only.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import TYPE_CHECKING
 
 import torch
 from hivemind.utils.logging import get_logger
 
-from dtrain.node.config import SwarmConfig
-from dtrain.node.lowcomm import codec as lowcomm_codec
-from dtrain.node.lowcomm.deadline import round_deadline
-
 if TYPE_CHECKING:
     from dtrain.node.train.trainer import TrainingNode
 
 logger = get_logger(__name__)
-
-DEADLINE_PEERS = 4  # sparse codec: the group size the round deadline is sized for
-
-
-def low_comm_swarm_config(swarm: SwarmConfig, total_params: int) -> SwarmConfig:
-    """The all-reduce deadline grows to fit the bytes of one round at --link-mbit."""
-    if swarm.wire_codec == "sparse":  # what a hub of a group of DEADLINE_PEERS sends
-        round_bytes = lowcomm_codec.round_bytes("sparse", total_params, DEADLINE_PEERS, swarm.topk_fraction)
-        codec = f"top-{swarm.topk_fraction:g} sparse payloads with error feedback"
-    else:
-        per_value = max(lowcomm_codec.bytes_per_element(swarm.wire_codec), lowcomm_codec.PARAMS_BYTES)
-        round_bytes, codec = total_params * per_value, swarm.wire_codec
-    deadline = round_deadline(round_bytes, swarm.averaging_timeout_s, swarm.link_mbit)
-    logger.info(f"low-comm: {swarm.inner_steps} inner updates per outer round, pseudo-gradient in "
-                f"{codec}; all-reduce deadline {deadline.seconds:.0f}s from {deadline.why}")
-    return dataclasses.replace(swarm, averaging_timeout_s=deadline.seconds)
 
 
 class OuterRoundLoop:

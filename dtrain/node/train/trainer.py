@@ -31,7 +31,7 @@ from dtrain.node.lowcomm.rounds import InnerRounds
 from dtrain.node.lowcomm.roundlog import CatchUp
 from dtrain.node.train.compute import Compute
 from dtrain.node.train.gradient import PendingGradient
-from dtrain.node.train.outer_rounds import OuterRoundLoop, low_comm_swarm_config
+from dtrain.node.train.outer_rounds import OuterRoundLoop
 from dtrain.node.train.ledger import ContributorLedger, ScoringConfig
 from dtrain.node.hfdir import load_params
 from dtrain.node.model import TensorInfo, build_model, tensor_infos
@@ -40,6 +40,7 @@ from dtrain.node.swarm.presence import ANNOUNCE_EVERY_S, PeerInfo, Presence
 from dtrain.node.train.reference import ReferenceConfig, ReferenceSource
 from dtrain.node.train.robust import RobustAggregator, RobustConfig, all_finite, optimizer_state_tensors
 from dtrain.node.snapshot import Snapshot, make_snapshot, params_digest
+from dtrain.node.swarm.deadlines import RoundClock, swarm_deadlines
 from dtrain.node.swarm.optimizer import (SHUTDOWN_TIMEOUT_S, Swarm, keep_state_shared, make_local_optimizer,
                                          regroup_state_dict)
 
@@ -119,7 +120,9 @@ class TrainingNode:
         self.ledger = ledger if ledger is not None else ContributorLedger(
             scoring=ScoringConfig(enabled=config.contributor_scoring))
         self.low_comm = config.swarm.sync == "low-comm"
-        self.swarm_config = low_comm_swarm_config(config.swarm, self.total_params) if self.low_comm else config.swarm
+        # the all-reduce deadline: sized for the bytes of a round, kept from each round's measured throughput
+        self.swarm_config, deadlines, sizes = swarm_deadlines(config.swarm, self.total_params)
+        self.round_clock = RoundClock(deadlines, sizes)
         self.outer_rounds = OuterRoundLoop(self) if self.low_comm else None
         self.rounds: Optional[InnerRounds] = None  # low-comm: this node's inner updates since the last outer round
         self.catchup: Optional[CatchUp] = None  # sparse codec: the round log, and catching up by replaying it
@@ -269,7 +272,7 @@ class TrainingNode:
 
         local_gradients = (lambda: self.rounds.offer()) if self.low_comm else self.gradient.mean
         self.swarm = swarm = Swarm(self.swarm_config, local_opt, local_gradients=local_gradients,
-                                   low_comm=self.low_comm)
+                                   low_comm=self.low_comm, round_clock=self.round_clock)
         opt = swarm.optimizer
         if restored is not None:
             opt.state_averager.local_epoch = restored.epoch
