@@ -18,6 +18,7 @@ from hivemind.utils.logging import get_logger, use_hivemind_log_handler
 from dtrain.bridge.app import create_app
 from dtrain.flags import parse_config
 from dtrain.node.children import die_with_this_process
+from dtrain.node.checkpoint import CheckpointError
 from dtrain.node.config import ConfigError, ModelConfig, NodeConfig, TrainConfig
 
 if TYPE_CHECKING:
@@ -165,7 +166,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     logging.getLogger().setLevel(config.log_level.upper())
     try:
         run(config)
-    except ConfigError as e:
+    except (ConfigError, CheckpointError) as e:  # a checkpoint that does not fit: refused whole, say why
         print(f"dtrain-node: {e}", file=sys.stderr)
         sys.exit(2)
     # The node has stopped: checkpoint written, swarm connection (and p2pd) shut down. Leave now rather than

@@ -15,6 +15,8 @@ from dtrain.node import checkpoint as ckpt
 from dtrain.node import hfdir
 from dtrain.node.assets import tokenizer_files
 from dtrain.node.config import ModelConfig, TrainConfig
+from dtrain.node.lowcomm.outer import OuterNesterov
+from dtrain.node.lowcomm.rounds import InnerRounds
 from dtrain.node.model import build_model
 from dtrain.node.snapshot import params_digest
 from dtrain.node.swarm.optimizer import make_local_optimizer
@@ -139,6 +141,98 @@ def test_a_checkpoint_round_trips_every_byte_without_pickle(tmp_path):
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(opt.state[p][key], restored.state[q][key]), key
     assert [g["betas"] for g in restored.param_groups] == [g["betas"] for g in opt.param_groups]
+
+
+TINY = ModelConfig(vocab_size=50257, d_model=32, n_heads=2, n_layers=2, d_ff=64, max_seq_len=64, name="t")
+
+
+def _low_comm(config: ModelConfig):
+    """A low-comm node's parts: its model, inner AdamW, round (sparse, a quarter per round) and outer step."""
+    model = build_model(config)
+    params = list(model.parameters())
+    rounds = InnerRounds(params, make_local_optimizer(model, TrainConfig()), inner_steps=3, fraction=0.25)
+    return model, rounds, OuterNesterov(params)
+
+
+def _inner_step(rounds: InnerRounds, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    rounds.inner_step([torch.randn(p.shape, generator=gen) * 1e-2 for p in rounds.params])
+
+
+def _saved_round(model, rounds, outer) -> ckpt.Checkpoint:
+    return ckpt.Checkpoint(params=dict(zip(dict(model.named_parameters()), rounds.anchor)),
+                           optimizer_state=outer.state_dict(), epoch=3, losses=[], model_config=TINY,
+                           sync="low-comm", round=ckpt.RoundState(rounds.inner_parameters(), rounds.feedback,
+                                                                  rounds.steps, rounds.inner.state_dict()))
+
+
+def test_a_low_comm_round_round_trips_and_goes_on_bit_for_bit(tmp_path):
+    model, rounds, outer = _low_comm(TINY)
+    _inner_step(rounds, 1)
+    _inner_step(rounds, 2)
+    rounds.enter_outer()
+    offer = rounds.offer(compress=True)
+    with torch.no_grad():
+        for p, o in zip(rounds.params, offer):
+            p.sub_(o)  # an outer step that applied exactly the offer: the rest is error feedback now
+    rounds.settle()
+    _inner_step(rounds, 3)
+    rounds.enter_outer()  # waiting for the round: the parameters are the anchor, the inner ones set aside
+    ckpt.save(tmp_path, _saved_round(model, rounds, outer))
+
+    back = ckpt.load(tmp_path)
+    assert back.sync == "low-comm" and back.round.steps == 1
+    anchor = [back.params[name] for name, _ in model.named_parameters()]  # the file holds them by name
+    model2, rounds2, _ = _low_comm(TINY)
+    ckpt.check_fits(back, "it", model2, "low-comm", feedback=True)
+    hfdir.load_params(model2, back.params)
+    rounds2 = InnerRounds(list(model2.parameters()), rounds2.inner, inner_steps=3, fraction=0.25)
+    rounds2.inner.load_state_dict(back.round.inner_optimizer_state)
+    rounds2.resume(anchor, back.round.inner_params, back.round.feedback, back.round.steps)
+    rounds.leave_outer()
+    for r in (rounds, rounds2):  # the same next inner updates and round on both
+        _inner_step(r, 4)
+        _inner_step(r, 5)
+        r.enter_outer()
+        r.offer(compress=True)
+        r.settle()
+    for name, a, b in [("anchor", rounds.anchor, rounds2.anchor), ("feedback", rounds.feedback, rounds2.feedback),
+                       ("parameters", rounds.params, rounds2.params)]:
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), name
+    assert rounds.steps == rounds2.steps == 0
+    moments = [r.inner.state[r.params[0]]["exp_avg"] for r in (rounds, rounds2)]
+    assert torch.equal(*moments)
+
+    # restarted on another anchor (the swarm's state, downloaded): the saved pseudo-gradient goes on top of it
+    model3, rounds3, _ = _low_comm(TINY)
+    rounds3.resume(anchor, back.round.inner_params, back.round.feedback, back.round.steps)
+    saved = [a - q for a, q in zip(anchor, back.round.inner_params)]
+    assert all(torch.allclose(d, s, rtol=0, atol=1e-6) for d, s in zip(rounds3.pseudo_gradient(), saved))
+    assert not torch.equal(rounds3.anchor[0], anchor[0]) and rounds3.steps == 1
+
+
+def test_a_checkpoint_that_does_not_fit_the_node_is_refused_with_what_differs(tmp_path):
+    model, rounds, outer = _low_comm(TINY)
+    _inner_step(rounds, 1)
+    ckpt.save(tmp_path, _saved_round(model, rounds, outer))
+    back = ckpt.load(tmp_path)
+    fresh = build_model(TINY)
+    with pytest.raises(ckpt.CheckpointError, match="written by a low-comm node and this node syncs per-step"):
+        ckpt.check_fits(back, "it", fresh, "per-step", feedback=False)
+    with pytest.raises(ckpt.CheckpointError, match="error feedback"):
+        ckpt.check_fits(back, "it", fresh, "low-comm", feedback=False)
+    other = build_model(ModelConfig(**{**TINY.__dict__, "d_ff": 128}))
+    with pytest.raises(ckpt.CheckpointError, match="shape"):
+        ckpt.check_fits(back, "it", other, "low-comm", feedback=True)
+    back.round.inner_params = back.round.inner_params[:-1]
+    with pytest.raises(ckpt.CheckpointError, match="inner parameters"):
+        ckpt.check_fits(back, "it", fresh, "low-comm", feedback=True)
+    # a file without the sync mode says it by its optimizer's state
+    per_step = ckpt.Checkpoint(params=dict(fresh.named_parameters()), epoch=1, losses=[],
+                               optimizer_state=make_local_optimizer(fresh, TrainConfig()).state_dict())
+    assert per_step.sync_mode() == "per-step" and back.sync_mode() == "low-comm"
+    with pytest.raises(ckpt.CheckpointError, match="written by a per-step node"):
+        ckpt.check_fits(per_step, "it", fresh, "low-comm", feedback=True)
 
 
 def test_unreadable_checkpoints_are_errors_and_old_pickles_are_not_opened(tmp_path):

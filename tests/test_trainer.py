@@ -75,3 +75,53 @@ def test_a_stale_contribution_changes_nothing(node):
     assert e.value.server_step == step
     after = node.status()
     assert (after.accepted_packets, after.pending_contributors) == (before.accepted_packets, before.pending_contributors)
+
+
+def _lone_low_comm(checkpoint_dir, **swarm) -> TrainingNode:
+    config = NodeConfig(checkpoint_dir=str(checkpoint_dir),
+                        swarm=SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), run_id=new_run_id(), **swarm))
+    return TrainingNode(config, ModelConfig.load(TINY_CONFIG), TrainConfig(min_nodes_for_update=1))
+
+
+def test_a_restarted_low_comm_node_goes_on_bit_for_bit_and_a_checkpoint_that_does_not_fit_is_refused(tmp_path):
+    """A lone low-comm node stopped after two updates and restarted from its checkpoint makes the same two next
+    updates as one that never stopped: the spec's single server's four AdamW steps, moments included (its inner
+    AdamW's state is in the checkpoint). A node that cannot take the checkpoint whole takes none of it."""
+    first = _lone_low_comm(tmp_path)
+    first.start()
+    seeded = copy.deepcopy(first.model)
+    grads = [_gradient(first, seed) for seed in (11, 12, 13, 14)]
+    try:
+        for step, g in enumerate(grads[:2], start=1):
+            first.submit(_dense("a", step, 2, 3.0, g))
+            wait_until(lambda: first.step == step + 1, 30, f"update {step}")
+    finally:
+        first.stop()
+    assert not first.is_alive()
+
+    for swarm, why in [(dict(sync="per-step"), "written by a low-comm node"),
+                       (dict(wire_codec="fp16"), "error feedback")]:
+        refused = _lone_low_comm(tmp_path, **swarm)
+        with pytest.raises(ValueError, match=why):
+            refused.start()
+        assert params_digest(refused.model) == params_digest(seeded) and refused.swarm is None  # nothing applied
+
+    second = _lone_low_comm(tmp_path)
+    second.start()
+    try:
+        assert second.step == 3 and second.losses() == [3.0, 3.0]
+        for step, g in enumerate(grads[2:], start=3):
+            second.submit(_dense("a", step, 2, 3.0, g))
+            wait_until(lambda: second.step == step + 1, 30, f"update {step}")
+        served = second.snapshot().digest
+    finally:
+        second.stop()
+
+    params = list(seeded.parameters())
+    opt = gpt2_adamw(params, [q.shape for q in params], lr=TRAIN.learning_rate, betas=(TRAIN.beta1, TRAIN.beta2),
+                     eps=TRAIN.eps, weight_decay=TRAIN.weight_decay)
+    for g in grads:
+        for p, a in zip(params, g):
+            p.grad = torch.from_numpy(a).view_as(p).clone()
+        opt.step()
+    assert served == params_digest(seeded)  # as if it had never stopped

@@ -2,8 +2,15 @@
 
 `state.safetensors` holds the parameters under `model.<name>` (dtrain's names, tied weights once, float32) and each
 optimizer state tensor under `optimizer.<index>.<key>`; its metadata holds the rest as JSON (epoch, losses, the
-optimizer's parameter groups and non-tensor state, the model config). Nothing is unpickled when it is read.
-`dtrain-export --checkpoint DIR` turns one into a Hugging Face directory.
+optimizer's parameter groups and non-tensor state, the model config, the sync mode). Nothing is unpickled when it is
+read. `dtrain-export --checkpoint DIR` turns one into a Hugging Face directory.
+
+A low-comm node's checkpoint (docs/low-communication.md) holds the swarm's parameters at its epoch (the round's
+anchor) under `model.`, the outer Nesterov step's momentum as its optimizer state, and the round in progress
+(`RoundState`): the inner updates' parameters under `lowcomm.inner.<index>`, the error feedback under
+`lowcomm.feedback.<index>` (sparse codec), the inner AdamW's state under `inner_optimizer.<index>.<key>`, and the
+inner updates' count and the inner AdamW's groups in the `lowcomm` metadata; <index> is the parameter's position in
+`model.parameters()`.
 """
 from __future__ import annotations
 
@@ -33,12 +40,66 @@ class CheckpointError(ValueError):
 
 
 @dataclass
+class RoundState:
+    """A low-comm node's round in progress (node.lowcomm.rounds.InnerRounds); tensors in model.parameters() order."""
+
+    inner_params: list  # the inner updates' parameters (the anchor minus the pseudo-gradient)
+    feedback: Optional[list]  # the sparse codec's error feedback; None with a dense codec
+    steps: int  # inner updates since the anchor
+    inner_optimizer_state: dict  # the inner AdamW's state_dict()
+
+
+@dataclass
 class Checkpoint:
-    params: dict  # name -> tensor: model.named_parameters(), tied weights once
-    optimizer_state: dict  # the local torch optimizer's state_dict()
+    params: dict  # name -> tensor: model.named_parameters(), tied weights once (low-comm: the round's anchor)
+    optimizer_state: dict  # the local torch optimizer's state_dict() (low-comm: the outer Nesterov step's)
     epoch: int  # hivemind epoch (updates applied); the API's step is epoch + 1
     losses: list  # loss history, one entry per update this node applied
     model_config: Optional[ModelConfig] = None  # the model's shape (for export), None in files that lack it
+    sync: Optional[str] = None  # per-step or low-comm; None in files that lack it (sync_mode() infers it)
+    round: Optional[RoundState] = None  # low-comm: the round in progress; None in files that lack it
+
+    def sync_mode(self) -> str:
+        """The sync mode that wrote it; files without one say it by their optimizer's state (the outer step's
+        momentum, or AdamW's moments)."""
+        if self.sync is not None:
+            return self.sync
+        keys = {key for state in self.optimizer_state["state"].values() for key in state}
+        return "low-comm" if "momentum_buffer" in keys else "per-step"
+
+
+def _optimizer_tensors(prefix: str, state_dict: dict, tensors: dict) -> dict[str, dict[str, Any]]:
+    """Each state tensor of a torch optimizer's state_dict into `tensors` as <prefix>.<index>.<key>; the rest."""
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, state in state_dict["state"].items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{prefix}.{index}.{key}"] = value.detach().contiguous().clone()
+            else:
+                scalars.setdefault(str(index), {})[key] = value
+    return scalars
+
+
+def _optimizer_state(prefix: str, tensors: dict, scalars_json: str, groups_json: str) -> dict:
+    state: dict[int, dict[str, Any]] = {}
+    for key, t in tensors.items():
+        if key.startswith(prefix + "."):
+            _, index, name = key.split(".", 2)
+            state.setdefault(int(index), {})[name] = t
+    for index, values in json.loads(scalars_json).items():
+        state.setdefault(int(index), {}).update(values)
+    groups = json.loads(groups_json)
+    for group in groups:  # JSON has no tuples; torch's optimizers keep betas as one
+        for key, value in group.items():
+            if key != "params" and isinstance(value, list):
+                group[key] = tuple(value)
+    return {"state": state, "param_groups": groups}
+
+
+def _indexed(prefix: str, tensors: dict) -> list:
+    """<prefix>.<index> tensors in index order (no gaps: checked by the caller against the model)."""
+    found = {int(key[len(prefix) + 1:]): t for key, t in tensors.items() if key.startswith(prefix + ".")}
+    return [found[i] for i in sorted(found)]
 
 
 def save(directory: str | Path, checkpoint: Checkpoint) -> Path:
@@ -49,13 +110,7 @@ def save(directory: str | Path, checkpoint: Checkpoint) -> Path:
     tmp = directory / (CHECKPOINT_NAME + ".tmp")
     tensors = {f"model.{name}": t.detach().to(torch.float32).contiguous().clone()
                for name, t in checkpoint.params.items()}
-    scalars: dict[str, dict[str, Any]] = {}
-    for index, state in checkpoint.optimizer_state["state"].items():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"optimizer.{index}.{key}"] = value.detach().contiguous().clone()
-            else:
-                scalars.setdefault(str(index), {})[key] = value
+    scalars = _optimizer_tensors("optimizer", checkpoint.optimizer_state, tensors)
     metadata = {
         "format": FORMAT,
         "epoch": str(int(checkpoint.epoch)),
@@ -65,6 +120,18 @@ def save(directory: str | Path, checkpoint: Checkpoint) -> Path:
     }
     if checkpoint.model_config is not None:
         metadata["model_config"] = json.dumps(dataclasses.asdict(checkpoint.model_config))
+    if checkpoint.sync is not None:
+        metadata["sync"] = checkpoint.sync
+    if (round_ := checkpoint.round) is not None:
+        for i, t in enumerate(round_.inner_params):
+            tensors[f"lowcomm.inner.{i}"] = t.detach().to(torch.float32).contiguous().clone()
+        for i, t in enumerate(round_.feedback or ()):
+            tensors[f"lowcomm.feedback.{i}"] = t.detach().to(torch.float32).contiguous().clone()
+        inner_scalars = _optimizer_tensors("inner_optimizer", round_.inner_optimizer_state, tensors)
+        metadata["lowcomm"] = json.dumps({
+            "steps": int(round_.steps), "feedback": round_.feedback is not None,
+            "inner_param_groups": round_.inner_optimizer_state["param_groups"],
+            "inner_optimizer_scalars": inner_scalars})
     save_file(tensors, str(tmp), metadata=metadata)
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
@@ -90,23 +157,74 @@ def load(directory: str | Path) -> Optional[Checkpoint]:
                 raise CheckpointError(f"{path}: not a dtrain checkpoint (format {metadata.get('format')!r})")
             tensors = {key: f.get_tensor(key) for key in f.keys()}
         params = {key[len("model."):]: t for key, t in tensors.items() if key.startswith("model.")}
-        state: dict[int, dict[str, Any]] = {}
-        for key, t in tensors.items():
-            if key.startswith("optimizer."):
-                _, index, name = key.split(".", 2)
-                state.setdefault(int(index), {})[name] = t
-        for index, values in json.loads(metadata["optimizer_scalars"]).items():
-            state.setdefault(int(index), {}).update(values)
-        groups = json.loads(metadata["param_groups"])
-        for group in groups:  # JSON has no tuples; torch's optimizers keep betas as one
-            for key, value in group.items():
-                if key != "params" and isinstance(value, list):
-                    group[key] = tuple(value)
+        optimizer_state = _optimizer_state("optimizer", tensors, metadata["optimizer_scalars"],
+                                           metadata["param_groups"])
+        round_ = None
+        if "lowcomm" in metadata:
+            info = json.loads(metadata["lowcomm"])
+            round_ = RoundState(
+                inner_params=_indexed("lowcomm.inner", tensors),
+                feedback=_indexed("lowcomm.feedback", tensors) if info["feedback"] else None,
+                steps=int(info["steps"]),
+                inner_optimizer_state=_optimizer_state("inner_optimizer", tensors,
+                                                       json.dumps(info["inner_optimizer_scalars"]),
+                                                       json.dumps(info["inner_param_groups"])))
         config = json.loads(metadata["model_config"]) if "model_config" in metadata else None
-        return Checkpoint(params=params, optimizer_state={"state": state, "param_groups": groups},
+        return Checkpoint(params=params, optimizer_state=optimizer_state,
                           epoch=int(metadata["epoch"]), losses=list(json.loads(metadata["losses"])),
-                          model_config=ModelConfig(**config) if config is not None else None)
+                          model_config=ModelConfig(**config) if config is not None else None,
+                          sync=metadata.get("sync"), round=round_)
     except CheckpointError:
         raise
     except Exception as e:  # a truncated or foreign file: say which, never half-load
         raise CheckpointError(f"{path}: cannot be read as a dtrain checkpoint ({e!r})") from None
+
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")  # optimizer state tensors of a parameter's shape
+
+
+def check_fits(checkpoint: Checkpoint, where: str, model: torch.nn.Module, sync: str,
+               feedback: bool) -> None:
+    """Raise CheckpointError, naming what differs, unless every part of `checkpoint` fits this node: its model's
+    parameters, the sync mode, and in low-comm mode its round (`feedback`: the node's codec keeps error feedback).
+    Called before anything of it is applied, so a checkpoint is taken whole or not at all."""
+    own = dict(model.named_parameters())
+    shapes = [tuple(p.shape) for p in own.values()]
+    if set(checkpoint.params) != set(own):
+        extra, missing = sorted(set(checkpoint.params) - set(own)), sorted(set(own) - set(checkpoint.params))
+        raise CheckpointError(f"{where}: its parameters are not this model's: unexpected {extra[:4]}, "
+                              f"missing {missing[:4]}")
+    for name, p in own.items():
+        if tuple(checkpoint.params[name].shape) != tuple(p.shape):
+            raise CheckpointError(f"{where}: {name} has shape {tuple(checkpoint.params[name].shape)}, this model's "
+                                  f"is {tuple(p.shape)}")
+    written = checkpoint.sync_mode()
+    if written != sync:
+        raise CheckpointError(f"{where} was written by a {written} node and this node syncs {sync}: start it with "
+                              f"--sync {written}, or without this checkpoint (it downloads the swarm's state)")
+    _check_optimizer(checkpoint.optimizer_state, shapes, f"{where}: the optimizer state")
+    round_ = checkpoint.round
+    if round_ is None:
+        return
+    for name, tensors in (("inner parameters", round_.inner_params), ("error feedback", round_.feedback or [])):
+        if tensors and [tuple(t.shape) for t in tensors] != shapes:
+            raise CheckpointError(f"{where}: the round's {name} are {len(tensors)} tensors that do not match the "
+                                  f"model's {len(shapes)} parameters")
+    if len(round_.inner_params) != len(shapes):
+        raise CheckpointError(f"{where}: the round holds {len(round_.inner_params)} inner parameters, the model "
+                              f"has {len(shapes)}")
+    if round_.feedback is not None and not feedback:
+        raise CheckpointError(f"{where} carries the sparse codec's error feedback, which this node's --wire-codec "
+                              f"keeps nowhere: start it with --wire-codec sparse, or without this checkpoint")
+    _check_optimizer(round_.inner_optimizer_state, shapes, f"{where}: the inner AdamW's state")
+
+
+def _check_optimizer(state_dict: dict, shapes: list, what: str) -> None:
+    indices = [i for group in state_dict["param_groups"] for i in group["params"]]
+    if sorted(indices) != list(range(len(shapes))):
+        raise CheckpointError(f"{what} is for {len(indices)} parameters, the model has {len(shapes)}")
+    for index, state in state_dict["state"].items():
+        for key in MOMENT_KEYS:
+            if key in state and tuple(state[key].shape) != shapes[index]:
+                raise CheckpointError(f"{what}: parameter {index}'s {key} has shape {tuple(state[key].shape)}, "
+                                      f"the parameter's is {shapes[index]}")

@@ -141,6 +141,26 @@ class InnerRounds:
                 p.sub_(d)
         self.in_outer, self._offer, self._inner = False, None, None
 
+    def inner_parameters(self) -> list[torch.Tensor]:
+        """The inner updates' parameters, wherever they are now (set aside inside an outer round)."""
+        return list(self._inner) if self.in_outer else [p.detach() for p in self.params]
+
+    def resume(self, saved_anchor: Sequence[torch.Tensor], inner_params: Sequence[torch.Tensor],
+               feedback: Optional[Sequence[torch.Tensor]], steps: int) -> None:
+        """A restarted node's round as it was saved with `saved_anchor` (node.checkpoint). The anchor now is the one
+        it restarted from, or the swarm's state it downloaded since: on the saved anchor the parameters become the
+        saved inner updates' exactly; on another one the saved pseudo-gradient goes on top of it, as `carry` does."""
+        if self.in_outer:
+            raise RuntimeError("resume() inside an outer round")
+        same = all(torch.equal(a, s) for a, s in zip(self.anchor, saved_anchor))
+        with torch.no_grad():
+            for p, a, s, q in zip(self.params, self.anchor, saved_anchor, inner_params):
+                p.copy_(q) if same else p.copy_(a - (s - q))
+            if feedback is not None and self.feedback is not None:
+                for e, f in zip(self.feedback, feedback):
+                    e.copy_(f)
+        self.steps, self._offer = steps, None
+
 
 class _SetAside(Mapping):
     """InnerRounds.set_aside: id(parameter) -> its set-aside value while an outer round is in progress."""

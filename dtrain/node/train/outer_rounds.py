@@ -13,6 +13,9 @@ from typing import TYPE_CHECKING
 import torch
 from hivemind.utils.logging import get_logger
 
+from dtrain.node.checkpoint import Checkpoint, RoundState
+from dtrain.node.swarm.optimizer import regroup_state_dict
+
 if TYPE_CHECKING:
     from dtrain.node.train.trainer import TrainingNode
 
@@ -100,3 +103,24 @@ class OuterRoundLoop:
             node._updated(time.monotonic() - started)
         else:  # hivemind downloaded the swarm's state inside step()
             node._after_catch_up(node.agreement.check_download())
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------
+
+    def round_state(self) -> RoundState:
+        """The round in progress, for a checkpoint (node.checkpoint): what a restarted node needs to go on with it."""
+        rounds = self.node.rounds
+        return RoundState(inner_params=rounds.inner_parameters(), feedback=rounds.feedback, steps=rounds.steps,
+                          inner_optimizer_state=rounds.inner.state_dict())
+
+    def resume(self, restored: Checkpoint) -> None:
+        """A restarted node's round from its checkpoint (checked against the model by checkpoint.check_fits):
+        the inner AdamW's state, the error feedback and the pseudo-gradient, on the anchor the node starts from."""
+        rounds, saved = self.node.rounds, restored.round
+        state = saved.inner_optimizer_state
+        if len(state["param_groups"]) != len(rounds.inner.param_groups):
+            state = regroup_state_dict(state, rounds.inner)
+        rounds.inner.load_state_dict(state)
+        saved_anchor = [restored.params[name] for name, _ in self.node.model.named_parameters()]
+        rounds.resume(saved_anchor, saved.inner_params, saved.feedback, saved.steps)
+        logger.info(f"Resumed the round in progress: {saved.steps} inner updates"
+                    + (", with error feedback" if saved.feedback is not None else ""))

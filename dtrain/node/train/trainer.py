@@ -261,6 +261,8 @@ class TrainingNode:
                               f"{restored.model_config.architecture()}, this node's is "
                               f"{self.model_config.architecture()}")
         if restored is not None:
+            ckpt.check_fits(restored, cfg.checkpoint_dir, self.model, cfg.swarm.sync,
+                            feedback=self.low_comm and cfg.swarm.wire_codec == "sparse")
             # restore before hivemind wraps the optimizer: its averagers keep references to these tensors
             load_params(self.model, restored.params)
             saved = restored.optimizer_state
@@ -303,6 +305,9 @@ class TrainingNode:
             # a founder's epoch 0 is the swarm's start, which a joiner cannot rebuild when it was imported
             self.agreement.vouch(snap)
         self._publish(snap)
+        if self.rounds is not None and restored is not None and restored.round is not None:
+            self.outer_rounds.resume(restored)  # off the anchor: the snapshot served is the anchor's
+            self._sync_sharing()
         self._last_checkpoint_epoch = opt.local_epoch
         if any(peer != swarm.peer_id for peer in self.presence.refresh(snap.step, 0)):
             # ready once every node has read this one's announcement: until then a node that takes a packet
@@ -635,12 +640,17 @@ class TrainingNode:
         if not self.config.checkpoint_dir or self.swarm is None or self.swarm.optimizer is None:
             return
         try:
+            params = dict(self.model.named_parameters())
+            if self.rounds is not None:  # the swarm's bytes at this epoch; the node's own round goes with them
+                params = dict(zip(params, self.rounds.anchor))
             ckpt.save(self.config.checkpoint_dir, ckpt.Checkpoint(
-                params=dict(self.model.named_parameters()),
+                params=params,
                 optimizer_state=self.swarm.optimizer.state_averager.optimizer.state_dict(),
                 epoch=self.swarm.epoch,
                 losses=self.losses(),
                 model_config=self.model_config,
+                sync=self.config.swarm.sync,
+                round=self.outer_rounds.round_state() if self.rounds is not None else None,
             ))
         except Exception as e:
             logger.exception(f"Checkpoint failed: {e}")
