@@ -11,8 +11,13 @@ top-k payloads gathered (--wire-codec sparse). For each mode and rate it prints,
 every node is ready (the joins' downloads left out): seconds per update (outer update in low-comm mode), MB each
 node sent per 1,000 samples the swarm applied, the swarm's applied samples per second, the held-out loss of node A's
 served model when the run ends, the samples applied by then, and the longest time two nodes served one step with
-different bytes. A run ends after --samples applied samples or --seconds, whichever comes first; loss is comparable
+different bytes, and the rounds a node gave up on (a commit step's abort or a failed all-reduce, summed over the
+nodes' logs). A run ends after --samples applied samples or --seconds, whichever comes first; loss is comparable
 only between rows that reached the same samples.
+
+With --late-joiner the last node is not waited for: it starts once the others have made their first update, and
+its row gives the seconds from its start to serving the swarm's bytes of a step (its download, catch-up and
+checks) and how many updates it then made with the swarm. Its bytes and samples count from its start.
 
 Runs as root (namespaces), under the heavy lock:
     flock /tmp/dtrain-heavy.lock .venv/bin/python bench/bench_wan.py --rates unlimited,20 --samples 3000
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 import tempfile
 import time
@@ -86,23 +92,58 @@ MODES = {
 }
 
 
+GAVE_UP = re.compile(r"Gradient round \w+ aborted|Gradient averaging failed|Gradient round failed")
+
+
+def gave_up(nodes: list[NodeProcess]) -> int:
+    """Rounds the nodes gave up on, from their logs."""
+    return sum(len(GAVE_UP.findall(node.output())) for node in nodes)
+
+
+def join_late(joiner: NodeProcess, nodes: list[NodeProcess], started: float, timeout_s: float) -> float:
+    """Seconds from the joiner's start until it serves, for a step, the bytes another node serves for that step."""
+    def caught_up() -> bool:
+        for tid in (0, 1):
+            step, mine = tensor_f32(joiner, tid)
+            if not any(s == step and v.tobytes() == mine.tobytes() for s, v in (tensor_f32(n, tid) for n in nodes)):
+                return False
+        return True
+    joiner.wait_ready(timeout_s)
+    wait_until(caught_up, timeout_s, f"{joiner.name} serving the swarm's bytes", 1.0)
+    return time.monotonic() - started
+
+
 def run(mode: str, rate, args, paths: list[Path], held_tokens: np.ndarray) -> dict:
+    founders = args.peers - 1 if args.late_joiner else args.peers
     common = ["--model-config", str(args.model_config), "--local-batch-size", str(args.batch), "--local-seq-len",
               "64", *MODES[mode], "--inner-steps", str(args.inner_steps), "--topk-fraction", str(args.topk_fraction),
-              "--wait-for-peers", str(args.peers), *NODE_TIMEOUTS]
-    run_id, nodes = new_run_id(), []
+              *NODE_TIMEOUTS]
+    run_id, nodes, join_s = new_run_id(), [], None
     with Net() as net:
         hosts = [net.host(f"n{i}", rate_mbit=rate) for i in range(args.peers)]
+
+        def start(i: int) -> NodeProcess:
+            peers = ()
+            if nodes:
+                nodes[0].wait_ready(600)
+                peers = [m for m in nodes[0].status()["maddrs"] if m.startswith(f"/ip4/{hosts[0].ip}/")]
+            node = NodeProcess("ABCDEFGH"[i], [*common, "--wait-for-peers", str(founders), "--train-data",
+                                                str(paths[i])], run_id, initial_peers=peers, netns=hosts[i],
+                               host_maddrs=f"/ip4/{hosts[i].ip}/tcp/0")
+            nodes.append(node)
+            return node
+
         try:
-            for i, host in enumerate(hosts):
-                peers = ()
-                if nodes:
-                    nodes[0].wait_ready(600)
-                    peers = [m for m in nodes[0].status()["maddrs"] if m.startswith(f"/ip4/{hosts[0].ip}/")]
-                nodes.append(NodeProcess("ABCDEFGH"[i], [*common, "--train-data", str(paths[i])], run_id,
-                                         initial_peers=peers, netns=host, host_maddrs=f"/ip4/{host.ip}/tcp/0"))
+            for i in range(founders):
+                start(i)
             for node in nodes:
                 node.wait_ready(600)
+            if args.late_joiner:
+                first = max(n.status()["step"] for n in nodes) + 1
+                wait_until(lambda: min(n.status()["step"] for n in nodes) >= first, args.seconds, "a first update")
+                started = time.monotonic()
+                joiner = start(founders)
+                join_s = join_late(joiner, nodes[:-1], started, args.seconds)
             # measured from the swarm's first update after every node is ready: the joiners' catch-up downloads
             # (a join's cost, not a round's) are left out of the bytes per sample
             first = max(n.status()["step"] for n in nodes) + 1
@@ -124,6 +165,7 @@ def run(mode: str, rate, args, paths: list[Path], held_tokens: np.ndarray) -> di
             updates = statuses[0]["step"] - step0
             loss = held_out_loss(nodes[0], args.model_config, held_tokens)
             return dict(mode=mode, rate="unlimited" if rate is None else f"{rate:g}", updates=updates,
+                        gave_up=gave_up(nodes), join_s=join_s, joiner_updates=statuses[-1]["updates"],
                         s_per_update=elapsed / updates if updates else math.inf,
                         mb_per_1000=np.mean(sent) / 1e6 * 1000 / max(applied, 1), samples_per_s=applied / elapsed,
                         loss=loss, samples=applied, split_s=watch.split_s, conflicts=len(watch.conflicts))
@@ -146,6 +188,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="--local-batch-size of every node")
     parser.add_argument("--inner-steps", type=int, default=50)
     parser.add_argument("--model-config", type=Path, default=TINY_CONFIG)
+    parser.add_argument("--late-joiner", action="store_true",
+                        help="the last node joins once the others have made their first update")
     parser.add_argument("--keep-logs", action="store_true")
     args = parser.parse_args()
     if unknown := set(args.modes.split(",")) - MODES.keys():
@@ -168,12 +212,15 @@ def main() -> None:
           f"sparse top-k fraction {args.topk_fraction:g}; "
           f"tbf both directions, no netem (no delay emulated); held-out loss of the seeded weights every run "
           f"starts from: {held_out_loss(None, args.model_config, held_tokens):.3f}\n")
+    joiner = " | late joiner: s to the swarm's bytes | its updates" if args.late_joiner else ""
     print("| mode | Mbit/s | s/update | MB sent/node/1k samples | swarm samples/s | held-out loss | samples "
-          "| longest split (s) |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"| longest split (s) | rounds given up{joiner} |")
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if args.late_joiner else ""))
     for r in rows:
+        late = f" | {r['join_s']:.0f} | {r['joiner_updates']}" if args.late_joiner else ""
         print(f"| {r['mode']} | {r['rate']} | {r['s_per_update']:.2f} | {r['mb_per_1000']:.2f} | "
-              f"{r['samples_per_s']:.1f} | {r['loss']:.3f} | {r['samples']} | {r['split_s']:.1f} |")
+              f"{r['samples_per_s']:.1f} | {r['loss']:.3f} | {r['samples']} | {r['split_s']:.1f} | "
+              f"{r['gave_up']}{late} |")
 
 
 if __name__ == "__main__":
