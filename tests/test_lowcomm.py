@@ -2,6 +2,7 @@
 outer Nesterov step, and one node's round bookkeeping (nothing dropped, nothing twice)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor, serialize_torch_tensor
@@ -166,3 +167,22 @@ def test_no_update_returns_to_the_inner_parameters_and_carry_needs_enter():
     assert torch.equal(p.detach(), inner)
     with pytest.raises(RuntimeError):
         r.carry()
+
+
+def test_the_anchor_reads_the_served_snapshot_when_it_holds_the_same_bytes():
+    p = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+    served = [np.array([1.0, 2.0, 3.0], np.float32)]
+    served[0].setflags(write=False)  # as a snapshot's arrays are
+    r = InnerRounds([p], torch.optim.SGD([p], lr=0.5), 2, published=lambda: served)
+    r.inner_step([torch.tensor([1.0, 0.0, 0.0])])
+    assert r.anchor[0].data_ptr() == served[0].ctypes.data  # no copy of its own
+    r.inner_step([torch.tensor([1.0, 0.0, 0.0])])
+    r.enter_outer()
+    assert torch.equal(p.detach(), torch.tensor([1.0, 2.0, 3.0])) and torch.equal(
+        r.pseudo_gradient()[0], torch.tensor([1.0, 0.0, 0.0]))
+    with torch.no_grad():
+        p.sub_(r.pseudo_gradient()[0])
+    r.settle()  # the node has not published the new bytes yet: the anchor is a copy, and the snapshot is untouched
+    assert r.anchor[0].data_ptr() != served[0].ctypes.data and torch.equal(r.anchor[0], torch.tensor([0.0, 2.0, 3.0]))
+    r.inner_step([torch.tensor([0.0, 1.0, 0.0])])  # still other bytes than the served ones: it keeps its copy
+    assert r.anchor[0].data_ptr() != served[0].ctypes.data and np.array_equal(served[0], [1.0, 2.0, 3.0])

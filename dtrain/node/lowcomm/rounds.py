@@ -19,8 +19,10 @@ and `leave_outer` leave it as it was, since the whole pseudo-gradient goes back 
 """
 from __future__ import annotations
 
-from typing import Iterator, Mapping, Optional, Sequence
+import warnings
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 
 from dtrain.node.lowcomm import sparse
@@ -28,7 +30,10 @@ from dtrain.node.lowcomm import sparse
 
 class InnerRounds:
     def __init__(self, params: Sequence[torch.nn.Parameter], inner: torch.optim.Optimizer, inner_steps: int,
-                 fraction: Optional[float] = None):
+                 fraction: Optional[float] = None,
+                 published: Optional[Callable[[], Optional[Sequence[np.ndarray]]]] = None):
+        """`published`: the fp32 arrays of the snapshot the node serves now (node.snapshot), if any. The anchor is
+        the served bytes in the usual case: then it reads them there instead of holding a copy of its own (P)."""
         if inner_steps < 1:
             raise ValueError(f"inner steps must be >= 1, got {inner_steps!r}")
         if fraction is not None and not 0.0 < fraction <= 1.0:
@@ -36,7 +41,10 @@ class InnerRounds:
         self.params = list(params)
         self.inner = inner
         self.inner_steps = inner_steps
-        self.anchor = [p.detach().clone() for p in self.params]
+        self._published = published
+        self.anchor: list[torch.Tensor] = []  # read only: it may be the served snapshot's bytes
+        self._anchor_own = False  # the anchor is a copy of its own (it may still be shared with the snapshot)
+        self._new_anchor()
         # the inner updates' parameters, set aside during an outer round only (P less between rounds)
         self._inner: Optional[list[torch.Tensor]] = None
         self.steps = 0  # inner updates since the anchor (carried ones included)
@@ -46,6 +54,30 @@ class InnerRounds:
         self._offer: Optional[list[torch.Tensor]] = None  # what this round was offered (until settle or carry)
         self._compress = False
 
+    def _new_anchor(self) -> None:
+        """The parameters as they are now become the anchor (a copy, until `_share_anchor` finds it served)."""
+        with torch.no_grad():
+            self.anchor = [p.detach().clone() for p in self.params]
+        self._anchor_own = True
+
+    def _share_anchor(self) -> None:
+        """Once per anchor, before the round's first inner update: when the node serves the anchor's bytes (it
+        published them after the update that made them), the anchor becomes a view of the snapshot's fp32 arrays
+        and its own copy goes. Equal bytes, wherever they are: nothing computed changes."""
+        if not self._anchor_own or self._published is None:
+            return
+        self._anchor_own = False
+        arrays = self._published()
+        if arrays is None or len(arrays) != len(self.anchor):
+            return
+        with warnings.catch_warnings():
+            # the snapshot's arrays are read-only, and the anchor is only read
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+            views = [torch.from_numpy(a) for a in arrays]
+        if all(v.numel() == a.numel() and v.dtype == a.dtype and torch.equal(v.view_as(a), a)
+               for v, a in zip(views, self.anchor)):
+            self.anchor = [v.view_as(a) for v, a in zip(views, self.anchor)]
+
     @property
     def due(self) -> bool:
         return self.steps >= self.inner_steps
@@ -54,6 +86,7 @@ class InnerRounds:
         """One AdamW update of the node's parameters with this (mean) gradient."""
         if self.in_outer:
             raise RuntimeError("inner_step() inside an outer round")
+        self._share_anchor()
         with torch.no_grad():
             for p, g in zip(self.params, grads):
                 if p.grad is None:
@@ -122,8 +155,7 @@ class InnerRounds:
                 offer, delta = self.offer(), self.pseudo_gradient()
                 for e, d, o in zip(self.feedback, delta, offer):
                     e.add_(d).sub_(o)
-            for a, p in zip(self.anchor, self.params):
-                a.copy_(p)
+        self._new_anchor()
         self.steps, self.in_outer, self._offer, self._inner = 0, False, None, None
 
     def carry(self) -> None:
@@ -135,9 +167,9 @@ class InnerRounds:
             self.leave_outer()
             return
         delta = self.pseudo_gradient()
+        self._new_anchor()
         with torch.no_grad():
-            for a, p, d in zip(self.anchor, self.params, delta):
-                a.copy_(p)
+            for p, d in zip(self.params, delta):
                 p.sub_(d)
         self.in_outer, self._offer, self._inner = False, None, None
 

@@ -296,7 +296,8 @@ class TrainingNode:
                 checked = self._join_download(cfg.swarm.load_state_timeout_s) is Download.CHECKED
         if self.low_comm:
             fraction = cfg.swarm.topk_fraction if cfg.swarm.wire_codec == "sparse" else None
-            self.rounds = InnerRounds(list(self.model.parameters()), inner, cfg.swarm.inner_steps, fraction)
+            self.rounds = InnerRounds(list(self.model.parameters()), inner, cfg.swarm.inner_steps, fraction,
+                                      published=lambda: self._snapshot.f32 if self._snapshot is not None else None)
             opt.tracker.round_due = lambda: self.outer_rounds.round_due
             if fraction is not None:  # every node computes the same outer step: a node behind may replay rounds
                 self.catchup = CatchUp(swarm, self.agreement, self.model, fraction)
