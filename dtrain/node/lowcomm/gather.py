@@ -127,6 +127,12 @@ class SparseGatherAverager(CommittingGradientAverager):
         return sparse.payload_bytes(limit, total, quantized=True)
 
     async def _exchange(self, group_info: GroupInfo, min_vector_size: int, weight: float = 1.0, **kwargs):
+        # the round holds the averaged tensors (the node's .grad, node.swarm.commit) from its offer to its average,
+        # as hivemind's all-reduce does: a node that stopped waiting for the round waits on that lock
+        async with enter_asynchronously(self.get_tensors()) as tensors:
+            return await self._exchange_holding(tensors, group_info, weight)
+
+    async def _exchange_holding(self, tensors, group_info: GroupInfo, weight: float):
         began = get_dht_time()
         publish_by, _ = commit_window(self._allreduce_timeout)
         _, mode_ids, user_gathered_bytes = zip(*map(self.serializer.loads, group_info.gathered))
@@ -141,8 +147,7 @@ class SparseGatherAverager(CommittingGradientAverager):
         if runner_slot is not None and not runner_slot.done():
             runner_slot.set_result(None)
         total, limit = self._limits
-        async with enter_asynchronously(self.get_tensors()) as tensors:
-            own = sparse.encode(_flat(tensors), quantized=True)
+        own = sparse.encode(_flat(tensors), quantized=True)
         weight = float(weight)
 
         round_ = _Round(group_info.peer_ids, my_plan, weight, own)
@@ -172,11 +177,10 @@ class SparseGatherAverager(CommittingGradientAverager):
             average = sparse.average(decoded, [round_.payloads[peer][0] for peer in group_info.peer_ids], total)
         except ValueError as e:
             return gathered, f"a payload was refused: {e}"
-        async with enter_asynchronously(self.get_tensors()) as tensors:
-            offset = 0
-            for t in tensors:
-                t.copy_(average[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+        offset = 0
+        for t in tensors:
+            t.copy_(average[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
         return gathered, None
 
     async def _call(self, peer: PeerID, group_id: bytes, round_: _Round) -> Optional[str]:

@@ -26,6 +26,7 @@ import multiprocessing as mp
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.optim.grad_averager import GradientAverager
@@ -120,7 +121,27 @@ class CommittingGradientAverager(Retimable, KeyGatedServicer, GradientAverager):
     def __init__(self, *args, record_subkey: bytes, **kwargs):
         self.record_subkey = record_subkey
         self.exchanges = ExchangeClock()  # before the process starts: it shares the memory
+        # The round averages the .grad buffers themselves (P less than a buffer of its own): they are hivemind's
+        # accumulators already (reuse_grad_buffers) and in shared memory (node.swarm.optimizer.keep_state_shared).
+        # The node writes every .grad in full before each step (its exact gradient, or the low-comm offer), and
+        # loads its own gradient into them whenever a round is not applied, so a round that fails halfway leaves
+        # nothing behind; `reset_accumulated_grads_` leaves them alone (zeroing them would zero the round's input).
+        params = tuple(kwargs.get("parameters", args[0] if args else ()))
+        grads = tuple(p.grad for p in params)
+        self.grads_averaged_in_place = bool(
+            kwargs.get("reuse_grad_buffers") and not kwargs.get("averaged_grads") and grads
+            and all(g is not None and g.is_shared() for g in grads))
+        if self.grads_averaged_in_place:
+            kwargs["averaged_grads"] = grads
         super().__init__(*args, **kwargs)
+
+    @torch.no_grad()
+    def reset_accumulated_grads_(self):
+        if not self.grads_averaged_in_place:
+            return super().reset_accumulated_grads_()
+        self._accumulators_used_in_step = False
+        self.local_samples_accumulated = self.local_times_accumulated = 0
+        self._anchor_batch_size = None
 
     def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None):
         """Nothing to download. hivemind.Optimizer has a joiner download the gradient averager's buffers after the

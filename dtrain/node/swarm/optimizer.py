@@ -382,6 +382,13 @@ class SwarmOptimizer(hivemind.Optimizer):
                 self._load_averaged_gradients_into_optimizer_()
         except BaseException as e:  # TimeoutError: the all-reduce's bound, or this wait's, ran out
             group_info = AbortedRound(repr(e), ran_out=isinstance(e, TimeoutError))
+        if not maybe_step_control.done():
+            maybe_step_control.cancel()
+        if getattr(self.grad_averager, "grads_averaged_in_place", False):
+            # the round averages .grad itself (node.swarm.commit): one still running holds the averager's lock
+            # until it ends, and no later write of it may land on the gradient loaded below
+            with self.grad_averager.lock_averaged_tensors:
+                pass
         if isinstance(group_info, AbortedRound):
             reason = group_info.reason + self._ran_out(group_info)
             self._no_round_alone(reason)
