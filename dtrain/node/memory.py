@@ -57,5 +57,9 @@ def share(tensors: Iterable[torch.Tensor]) -> None:
 
 
 def shared_zeros(elements: int) -> torch.Tensor:
-    """A flat float32 tensor of zeros in shared memory (filled there: no private copy on the way)."""
-    return torch.zeros(int(elements)).share_memory_()
+    """A flat float32 tensor of zeros in shared memory, made there: a new shared file reads as zeros and takes memory
+    only for the pages touched (a joiner's gradient buffers hold none while it downloads), with no private copy on
+    the way."""
+    n = int(elements)
+    storage = torch.UntypedStorage._new_shared(4 * n)  # torch's own shared-memory allocation (share_memory_ uses it)
+    return torch.empty(0).set_(storage, 0, (n,), (1,))

@@ -102,14 +102,13 @@ def make_local_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.op
         eps=train.eps,
     )
     # Give AdamW its (empty) state now. hivemind otherwise creates it with a zero-gradient optimizer step, which
-    # applies weight decay to the seeded weights and starts Adam's bias correction one step late.
+    # applies weight decay to the seeded weights and starts Adam's bias correction one step late. In shared memory
+    # from the start (node.memory): no page is taken until the first update, or a download, writes it.
     for group in optimizer.param_groups:
         for p in group["params"]:
-            optimizer.state[p] = {
-                "step": torch.tensor(0.0),
-                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-            }
+            zeros = (lambda: memory.shared_zeros(p.numel()).view_as(p)) if p.device.type == "cpu" and \
+                p.dtype == torch.float32 else (lambda: torch.zeros_like(p, memory_format=torch.preserve_format))
+            optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": zeros(), "exp_avg_sq": zeros()}
     return optimizer
 
 
