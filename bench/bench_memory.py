@@ -5,7 +5,11 @@ after 2 updates, next to the bytes of its fp32 parameters.
 PSS counts a page shared by k processes as 1/k in each, so the sum over the tree counts shared memory (hivemind's
 /dev/shm buffers, torch's shared tensors) once.
 
-    .venv/bin/python bench/bench_memory.py [--configs tiny default gpt2-small gpt2-medium] [--updates 2]
+    .venv/bin/python bench/bench_memory.py [--configs tiny default gpt2-small gpt2-medium] [--sync per-step low-comm]
+                                           [--updates 2]
+
+--sync picks the modes measured (both by default): per-step, or low-comm (the default mode, with its sparse codec,
+which holds the round's state besides).
 """
 from __future__ import annotations
 
@@ -56,14 +60,13 @@ def pss_bytes(pid: int) -> int:
     return total
 
 
-def measure(name: str, updates: int, ready_timeout_s: float, train_timeout_s: float) -> dict:
-    # per-step mode, as the table in docs/memory.md was measured (low-comm adds its anchor, the inner parameters set
-    # aside during a round and the error feedback: 3P more, read from the code)
-    args = ["--sync", "per-step", "--train-data", str(TEXT), "--local-batch-size", "2", "--local-seq-len", "64",
+def measure(name: str, sync: str, updates: int, ready_timeout_s: float, train_timeout_s: float) -> dict:
+    # alone, a low-comm node makes an outer update of its own after every inner one: "updates" count in both modes
+    args = ["--sync", sync, "--train-data", str(TEXT), "--local-batch-size", "2", "--local-seq-len", "64",
             "--local-samples-per-update", "2"]
     if CONFIGS[name] is not None:
         args = ["--model-config", str(CONFIGS[name]), *args]
-    node = NodeProcess(f"mem-{name}", args, new_run_id())
+    node = NodeProcess(f"mem-{name}-{sync}", args, new_run_id())
     try:
         node.wait_ready(ready_timeout_s)
         info = node.get_json("/api/v1/model/info", timeout_s=30.0)
@@ -72,7 +75,7 @@ def measure(name: str, updates: int, ready_timeout_s: float, train_timeout_s: fl
         start = node.status()["updates"]
         wait_until(lambda: node.status()["updates"] >= start + updates, train_timeout_s, f"{updates} updates", 1.0)
         training = pss_bytes(node.proc.pid)
-        return dict(config=name, params=params, fp32=params * 4, idle=idle, training=training)
+        return dict(config=name, sync=sync, params=params, fp32=params * 4, idle=idle, training=training)
     finally:
         node.kill()
         time.sleep(2.0)
@@ -81,16 +84,18 @@ def measure(name: str, updates: int, ready_timeout_s: float, train_timeout_s: fl
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--sync", nargs="+", default=["per-step", "low-comm"], choices=["per-step", "low-comm"])
     ap.add_argument("--updates", type=int, default=2)
     ap.add_argument("--ready-timeout", type=float, default=600.0)
     ap.add_argument("--train-timeout", type=float, default=1800.0)
     a = ap.parse_args()
-    print("| config | params | fp32 params | PSS idle | PSS training | training / fp32 |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name in a.configs:
-        r = measure(name, a.updates, a.ready_timeout, a.train_timeout)
-        print(f"| {r['config']} | {r['params'] / 1e6:.1f}M | {r['fp32'] / GIB:.2f} GiB | {r['idle'] / GIB:.2f} GiB | "
-              f"{r['training'] / GIB:.2f} GiB | {r['training'] / r['fp32']:.1f}x |", flush=True)
+    print("| config | sync | params | fp32 params | PSS idle | PSS training | training / fp32 |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for name, sync in ((name, sync) for name in a.configs for sync in a.sync):
+        r = measure(name, sync, a.updates, a.ready_timeout, a.train_timeout)
+        print(f"| {r['config']} | {r['sync']} | {r['params'] / 1e6:.1f}M | {r['fp32'] / GIB:.2f} GiB | "
+              f"{r['idle'] / GIB:.2f} GiB | {r['training'] / GIB:.2f} GiB | {r['training'] / r['fp32']:.1f}x |",
+              flush=True)
 
 
 if __name__ == "__main__":
