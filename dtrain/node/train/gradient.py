@@ -90,11 +90,15 @@ class PendingGradient:
         """Low-communication mode: the mean of what was added since the last drain, for one inner update; the sums
         start empty, the counts stay pending until an outer update applies them (`settle`) or misses them (`carry`)."""
         fresh = self.samples - self._drained_samples
-        mean = [acc / max(fresh, 1) for acc in self.sums]
-        for acc in self.sums:
-            acc.zero_()
+        mean = [acc.div_(max(fresh, 1)) for acc in self._take_sums()]  # the sums themselves: no copy
         self._drained_samples = self.samples
         return mean
+
+    def _take_sums(self) -> list[torch.Tensor]:
+        """The sums as they are, replaced by fresh zeros: untouched shared memory takes no page until written
+        (node.memory), so an empty pending gradient holds no memory (P) once the taken sums are dropped."""
+        taken, self.sums = self.sums, [memory.shared_zeros(acc.numel()) for acc in self.sums]
+        return taken
 
     @property
     def undrained_samples(self) -> int:
@@ -121,8 +125,7 @@ class PendingGradient:
         applied = Applied(self.samples, self.packets, self.local_samples, self.loss_sum / max(self.samples, 1))
         self.applied_samples += self.samples
         self.applied_packets += self.packets
-        for acc in self.sums:
-            acc.zero_()
+        self._take_sums()
         self.samples = self.packets = self.local_samples = 0
         self.loss_sum = 0.0
         self._carried_samples = self._carried_packets = self._drained_samples = 0
