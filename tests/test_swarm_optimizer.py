@@ -79,10 +79,15 @@ def test_failed_gradient_round_applies_the_local_gradient(single_peer):
         for p, g in zip(model.parameters(), grads):
             p.grad.copy_(g)
     opt.grad_averager.accumulate_grads_(batch_size=6)
-    # a gradient round that begins resets hivemind's accumulators (the .grad buffers) before it runs; when it
-    # then fails, hivemind falls back to "local gradients"
+    # a gradient round that begins loads hivemind's accumulators (the .grad buffers) into the tensors it averages
+    # (the same ones) and resets its counters; a round that then fails halfway has written some of its average
+    # there, and hivemind falls back to "local gradients"
+    opt.grad_averager.load_accumulators_into_averager_()
     opt.grad_averager.reset_accumulated_grads_()
-    assert all(not p.grad.any() for p in model.parameters())
+    with opt.grad_averager.get_tensors() as averaged:
+        for t in averaged[::2]:
+            t.mul_(0.5).add_(1.0)
+    assert not all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
     local_gradients[:] = grads
     opt._load_local_gradients_into_optimizer()
     for p, g in zip(model.parameters(), grads):

@@ -326,6 +326,10 @@ class SwarmOptimizer(hivemind.Optimizer):
         with torch.no_grad():
             for param, grad in zip(params, self._local_gradients()):
                 param.grad.copy_(grad.view_as(param))
+        if getattr(self.grad_averager, "grads_averaged_in_place", False):
+            # .grad holds the mean itself now, and is the round's tensors too (node.swarm.commit): when hivemind
+            # still loads its accumulators into them (it does when a round could not begin), it divides by one
+            self.grad_averager.local_times_accumulated = 1
 
     def _load_local_gradients_into_optimizer(self):
         self._load_exact_local_gradients()
