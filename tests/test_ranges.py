@@ -1,12 +1,18 @@
-"""A state cut into ranges (node.lowcomm.ranges): the plan, the wire format of a range and its checks, and ranges of
-different epochs brought forward and assembled into the bits of the newest epoch's state."""
+"""A state cut into ranges (node.lowcomm.ranges): the plan, the wire format of a range and its checks, ranges of
+different epochs brought forward and assembled into the bits of the newest epoch's state, and a donor's answers
+(node.lowcomm.statefetch) from its copy of one epoch."""
 from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from dtrain.node.lowcomm import ranges, roundlog, sparse
+from google.protobuf import wrappers_pb2
+
+from dtrain.node.lowcomm import ranges, roundlog, sparse, statefetch
 from dtrain.node.lowcomm.outer import OuterNesterov
 from tests.test_roundlog import payload
 
@@ -133,3 +139,31 @@ def test_ranges_of_different_epochs_assemble_into_the_newest_state():
     assert stale.drop_before(2) == 1 and stale.missing() == stale.ranges
     with pytest.raises(ValueError):  # a piece of another size than its range
         stale.add(stale.ranges[0], piece_of(states, 1, ranges.Range(0, 95)))
+
+
+def test_a_donor_answers_a_bad_request_with_nothing_and_a_held_copy_is_one_epochs():
+    g = torch.Generator().manual_seed(1)
+    params = [torch.randn(n, generator=g).numpy() for n in (70_000, 3, 130_000, 1_000)]
+    momentum = [torch.randn(len(p), generator=g) for p in params]
+    total = sum(len(p) for p in params)
+    donor = statefetch.RangeDonor(total)
+
+    async def answer(raw: bytes) -> bytes:
+        out = b""
+        async for message in donor.serve(wrappers_pb2.BytesValue(value=raw), SimpleNamespace(remote_id="a peer")):
+            out += message.value
+        return out
+
+    r = ranges.Range(69_990, 20)  # across the first two tensors and into the third
+    assert asyncio.run(answer(ranges.encode_request(r))) == b""  # nothing held yet
+    donor.hold(1, params, momentum)
+    held = momentum[0][-10:].clone()
+    momentum[0].add_(1.0)  # the node's next outer step: the held copy stays the epoch's
+    piece = ranges.decode_piece(asyncio.run(answer(ranges.encode_request(r))), r, 1, 1)
+    flat_p = np.concatenate(params)
+    assert np.array_equal(piece.params, flat_p[r.offset:r.end])
+    assert np.array_equal(piece.momentum[:10], held.numpy())
+    for bad in (ranges.encode_request(ranges.Range(total - 5, 10)), b"\0" * 3):
+        assert asyncio.run(answer(bad)) == b""
+    with pytest.raises(ValueError):
+        donor.hold(2, params[:-1], momentum)

@@ -139,6 +139,12 @@ class SwarmConfig:
     link_mbit: float = option(10.0, "--link-mbit", "low-comm: the slowest link's rate, Mbit/s (default: a home "
                               "uplink); the all-reduce deadline grows to fit its bytes at this rate or the measured "
                               "one, whichever is slower (0: the measured one only)")
+    # a joiner's first download (docs/low-communication.md, "Joining from several donors"): in ranges from several
+    # donors at once, resumed when one fails; every node then also serves ranges of its state
+    state_donors: int = option(0, "--state-donors", "low-comm, sparse codec: a joiner downloads the state in ranges "
+                               "from up to this many peers at once, and a donor that fails loses its ranges to the "
+                               "others; the node serves ranges of its state too (a copy of the outer momentum, 4 "
+                               "bytes per parameter) (0: one peer, through hivemind's download)")
 
     def __post_init__(self):
         if self.sync not in ("per-step", "low-comm"):
@@ -152,6 +158,8 @@ class SwarmConfig:
             raise ConfigError(f"wire_codec must be fp16, fp32 or sparse, got {self.wire_codec!r}")
         if not 0.0 < self.topk_fraction <= 1.0:
             raise ConfigError(f"topk_fraction must be in (0, 1], got {self.topk_fraction!r}")
+        if not isinstance(self.state_donors, int) or self.state_donors < 0:
+            raise ConfigError(f"state_donors must be an integer >= 0, got {self.state_donors!r}")
         if not self.link_mbit >= 0:
             raise ConfigError(f"link_mbit must be >= 0 (0: unknown), got {self.link_mbit!r}")
         if self.swarm_key_path is not None and not str(self.swarm_key_path).strip():

@@ -264,7 +264,7 @@ class CatchUp:
                 logger.warning(f"Replaying rounds {have + 1}..{want} did not give the bytes the swarm serves for "
                                f"epoch {want}; downloading the state")
                 return False
-            self._after_replay(want)
+            adopt_epoch(opt, want)
             for r in rounds:  # verified by the digest: this node serves them too from now on
                 self.log.add(r.epoch, r.payload)
             logger.info(f"Caught up from epoch {have} to {want} by replaying {count} rounds from {donor}: "
@@ -272,12 +272,13 @@ class CatchUp:
             return True
         return False
 
-    def _after_replay(self, epoch: int) -> None:
-        """What hivemind does after a download (Optimizer.load_state_from_peers)."""
-        opt = self._swarm.optimizer
-        opt.state_averager.local_epoch = epoch
-        opt.tracker.report_local_progress(local_epoch=epoch, samples_accumulated=0)
-        opt.grad_averager.reset_accumulated_grads_()
-        if not opt.client_mode:
-            opt.state_averager.state_sharing_priority = epoch
-            opt.grad_averager.state_sharing_priority = epoch
+
+def adopt_epoch(opt, epoch: int) -> None:
+    """After the node itself brought its state to `epoch` (a replay, a download in ranges): what hivemind does after
+    a download (Optimizer.load_state_from_peers). `opt` is the node's SwarmOptimizer."""
+    opt.state_averager.local_epoch = epoch
+    opt.tracker.report_local_progress(local_epoch=epoch, samples_accumulated=0)
+    opt.grad_averager.reset_accumulated_grads_()
+    if not opt.client_mode:
+        opt.state_averager.state_sharing_priority = epoch
+        opt.grad_averager.state_sharing_priority = epoch

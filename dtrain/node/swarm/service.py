@@ -6,6 +6,7 @@ every handler first has its caller prove the swarm key (node.swarm.keygate).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from typing import Any, Awaitable, Callable, Optional, TypeVar
 
@@ -49,7 +50,11 @@ class NodeService:
 
     def run(self, coroutine: Awaitable[T], timeout_s: float) -> T:
         """Run `coroutine` on the service's loop and wait for it (bounded); from any other thread."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout_s)
+        return self.submit(coroutine).result(timeout_s)
+
+    def submit(self, coroutine: Awaitable[T]) -> concurrent.futures.Future:
+        """Start `coroutine` on the service's loop; the caller waits for it (bounded) or cancels it."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
     def add_handler(self, name: str, handler: Callable[..., Any], input_type, stream_output: bool = False) -> None:
         """Serve `handler` as `name` (hivemind's protobuf handlers), gated by the swarm key when there is one."""

@@ -29,6 +29,7 @@ from dtrain.node.device import resolve as resolve_device
 from dtrain.node.lowcomm.outer import OuterNesterov
 from dtrain.node.lowcomm.rounds import InnerRounds
 from dtrain.node.lowcomm.roundlog import CatchUp
+from dtrain.node.lowcomm.statefetch import RangeDonor, SpreadDownload
 from dtrain.node.train.compute import Compute
 from dtrain.node.train.gradient import PendingGradient
 from dtrain.node.train.outer_rounds import OuterRoundLoop
@@ -126,6 +127,7 @@ class TrainingNode:
         self.outer_rounds = OuterRoundLoop(self) if self.low_comm else None
         self.rounds: Optional[InnerRounds] = None  # low-comm: this node's inner updates since the last outer round
         self.catchup: Optional[CatchUp] = None  # sparse codec: the round log, and catching up by replaying it
+        self.donor: Optional[RangeDonor] = None  # sparse codec, --state-donors: serves ranges of the served state
         self.swarm: Optional[Swarm] = None
         self.presence: Optional[Presence] = None
         self.agreement: Optional[Agreement] = None
@@ -301,6 +303,8 @@ class TrainingNode:
             opt.tracker.round_due = lambda: self.outer_rounds.round_due
             if fraction is not None:  # every node computes the same outer step: a node behind may replay rounds
                 self.catchup = CatchUp(swarm, self.agreement, self.model, fraction)
+                if cfg.swarm.state_donors > 0 and not swarm.client_mode:  # nobody can dial a client-mode peer
+                    self.donor = RangeDonor(self.total_params, swarm.service)
         snap = make_snapshot(self.model, opt.local_epoch)
         if (checked and snap.updates > 0) or (founder and snap.updates == 0):
             # a founder's epoch 0 is the swarm's start, which a joiner cannot rebuild when it was imported
@@ -336,6 +340,14 @@ class TrainingNode:
     def _join_download(self, timeout_s: float) -> Download:
         """A joiner serves nothing the swarm disagrees with: it downloads until the bytes agree (bounded)."""
         deadline = time.monotonic() + timeout_s
+        swarm = self.config.swarm
+        if self.low_comm and swarm.wire_codec == "sparse" and swarm.state_donors > 0:
+            self.presence.refresh(0, 0)  # announced while it downloads, as below
+            spread = SpreadDownload(self.swarm, self.agreement, self.model, swarm.topk_fraction, swarm.state_donors,
+                                    self._stop, announce=lambda: self.presence.due() and self.presence.refresh(0, 0))
+            if spread.run(timeout_s):
+                return Download.CHECKED
+            logger.info("The download in ranges did not give the swarm's state; downloading it from one peer")
         while True:
             if self.low_comm:
                 # announced while it downloads: the nodes it joins are not alone, so they make outer rounds every
@@ -628,6 +640,9 @@ class TrainingNode:
 
     def _publish(self, snap: Snapshot) -> None:
         self._snapshot = snap
+        if self.donor is not None:  # the outer momentum of this epoch, copied before the next outer step moves it
+            outer = self.swarm.optimizer.state_averager.optimizer
+            self.donor.hold(snap.updates, snap.f32, [outer.state[p]["momentum_buffer"] for p in self.model.parameters()])
         self._share_state()
         norm = float(np.sqrt(sum(np.dot(a.astype(np.float64), a) for a in snap.f32)))
         logger.info(f"step {snap.step} params sha256 {snap.digest} l2 {norm:.12e}")

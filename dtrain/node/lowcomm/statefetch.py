@@ -1,0 +1,277 @@
+"""A joiner's first download of a sparse swarm's state, spread over several donors and resumable (docs/low-communication.md,
+"Joining from several donors"); `--state-donors N`.
+
+Donor: `RangeDonor` holds a copy of the state it serves (the snapshot's parameters, which are immutable, and a copy
+of the outer momentum taken when the snapshot is published, so an answer is one epoch's bytes even while the node's
+next outer step rewrites the momentum) and answers RANGE_HANDLER requests for ranges of it (node.lowcomm.ranges),
+gated by the swarm key like the node's other RPCs.
+
+Joiner: `SpreadDownload` asks up to N peers that serve the swarm's epoch for different ranges at once (IN_FLIGHT
+requests each); a donor that fails, answers wrong or takes longer than RANGE_TIMEOUT_S for a range is dropped and its
+ranges go to the others; what arrived is kept, and a pass with donors read afresh asks only for what is missing.
+Ranges older than the newest one received are brought forward with the averages of the rounds in between, from a
+donor's round log (node.lowcomm.roundlog); the state is kept only if its digest is the one the peers publish for
+its epoch. Anything else (no donor, no log of the rounds in between, another digest) returns False, and the node
+downloads the state as before, from one peer through hivemind.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections import Counter, deque
+from typing import AsyncIterator, Callable, NamedTuple, Optional, Sequence
+
+import numpy as np
+import torch
+from google.protobuf import wrappers_pb2
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.utils.logging import get_logger
+
+from dtrain.node.lowcomm import ranges, roundlog
+from dtrain.node.snapshot import params_digest
+from dtrain.node.swarm.agreement import reference_of
+
+logger = get_logger(__name__)
+
+RANGE_HANDLER = "dtrain.lowcomm.state_range"
+CHUNK_BYTES = 1 << 18  # one message of an answer's stream
+IN_FLIGHT = 3  # requests a joiner keeps open with each donor: a home link's round trip stays hidden
+RANGE_TIMEOUT_S = 30.0  # one range (512 KiB) at well under 1 Mbit/s: a donor slower than that loses its ranges
+PASS_PAUSE_S = 1.0  # between two passes, when every donor of a pass failed
+RECORD_WAIT_S = 10.0  # for the peers' records of the epoch the pieces are of
+POLL_S = 2.0  # the joiner's thread looks at a pass this often (to keep announcing itself)
+
+
+class Held(NamedTuple):
+    epoch: int
+    params: tuple[np.ndarray, ...]  # per tensor, flat float32 (a snapshot's immutable copies)
+    starts: tuple[int, ...]  # each tensor's first element in the flat order
+    momentum: np.ndarray  # flat float32, a copy
+
+
+def _slice(arrays: Sequence[np.ndarray], starts: Sequence[int], r: ranges.Range) -> np.ndarray:
+    """Elements [r.offset, r.end) of the flat concatenation of `arrays` without making it."""
+    parts = []
+    for a, start in zip(arrays, starts):
+        lo, hi = max(r.offset, start), min(r.end, start + len(a))
+        if lo < hi:
+            parts.append(a[lo - start:hi - start])
+    return np.concatenate(parts) if len(parts) != 1 else parts[0]
+
+
+class RangeDonor:
+    """Serves ranges of the state this node serves (see the module docstring); `hold` runs on the training thread
+    after every published snapshot, the answers on the node service's loop."""
+
+    def __init__(self, total: int, service=None):
+        """`service`: the node's node.swarm.service.NodeService, which then serves `serve` as RANGE_HANDLER (gated
+        by the swarm key)."""
+        self._total = total
+        self._held: Optional[Held] = None  # replaced whole, never changed: an answer reads one epoch's copy
+        self.answered = 0  # ranges served
+        if service is not None:
+            service.add_handler(RANGE_HANDLER, self.serve, wrappers_pb2.BytesValue, stream_output=True)
+
+    def hold(self, epoch: int, params: Sequence[np.ndarray], momentum: Sequence[torch.Tensor]) -> None:
+        starts = tuple(np.cumsum([0] + [len(a) for a in params[:-1]]).tolist())
+        with torch.no_grad():
+            flat_momentum = torch.cat([m.detach().reshape(-1) for m in momentum]).numpy()
+        if sum(len(a) for a in params) != self._total or len(flat_momentum) != self._total:
+            raise ValueError(f"a state of {sum(len(a) for a in params)} parameters and {len(flat_momentum)} momentum "
+                             f"values, not {self._total}")
+        self._held = Held(epoch, tuple(params), starts, flat_momentum)
+
+    def drop(self) -> None:
+        self._held = None
+
+    async def serve(self, request: wrappers_pb2.BytesValue,
+                     context: P2PContext) -> AsyncIterator[wrappers_pb2.BytesValue]:
+        held = self._held
+        try:
+            r = ranges.parse_request(request.value, self._total)
+        except ranges.BadRange as e:
+            logger.debug(f"Refused a range request from {context.remote_id}: {e}")
+            return
+        if held is None:  # nothing to serve (yet): an empty answer
+            return
+        data = ranges.encode_piece(r, ranges.Piece(held.epoch, _slice(held.params, held.starts, r),
+                                                   held.momentum[r.offset:r.end]))
+        self.answered += 1
+        for i in range(0, len(data), CHUNK_BYTES):
+            yield wrappers_pb2.BytesValue(value=data[i:i + CHUNK_BYTES])
+
+
+async def fetch_range(p2p: P2P, peer: PeerID, r: ranges.Range, min_epoch: int, max_epoch: int,
+                      timeout_s: float) -> ranges.Piece:
+    """One range from `peer`, checked (ranges.decode_piece); BadRange once it streams more than the range's bytes."""
+    limit = ranges.answer_bytes(r)
+
+    async def receive() -> bytes:
+        request = wrappers_pb2.BytesValue(value=ranges.encode_request(r))
+        stream = await p2p.iterate_protobuf_handler(peer, RANGE_HANDLER, request, wrappers_pb2.BytesValue)
+        chunks, size = [], 0
+        async for message in stream:
+            size += len(message.value)
+            if size > limit:
+                raise ranges.BadRange(f"{peer} sent more than the {limit} bytes of range {r.offset}+{r.length}")
+            chunks.append(message.value)
+        return b"".join(chunks)
+
+    return ranges.decode_piece(await asyncio.wait_for(receive(), timeout_s), r, min_epoch, max_epoch)
+
+
+async def fetch_ranges(p2p: P2P, donors: Sequence[PeerID], todo: Sequence[ranges.Range], min_epoch: int,
+                       max_epoch: int, on_piece: Callable[[PeerID, ranges.Range, ranges.Piece], None],
+                       in_flight: int = IN_FLIGHT, timeout_s: float = RANGE_TIMEOUT_S) -> dict[PeerID, str]:
+    """Ask `donors` for the ranges of `todo`, `in_flight` at a time each, until every range came or every donor
+    failed; a failed donor's range goes back for the others. Returns the failed donors and why."""
+    queue, failed = deque(todo), {}
+    busy = 0  # ranges being fetched: one may come back to the queue
+
+    async def worker(donor: PeerID) -> None:
+        nonlocal busy
+        while donor not in failed:
+            if not queue:
+                if not busy:
+                    return
+                await asyncio.sleep(0.05)
+                continue
+            r = queue.popleft()
+            busy += 1
+            try:
+                piece = await fetch_range(p2p, donor, r, min_epoch, max_epoch, timeout_s)
+            except Exception as e:  # no answer, a timeout, a wrong answer: the range goes to another donor
+                queue.appendleft(r)
+                failed.setdefault(donor, repr(e))
+                continue
+            finally:
+                busy -= 1
+            on_piece(donor, r, piece)
+
+    await asyncio.gather(*(worker(d) for d in donors for _ in range(in_flight)))
+    return failed
+
+
+class SpreadDownload:
+    """A joiner's download of the swarm's state from up to `max_donors` donors at once (the module docstring).
+    `swarm` is the node's node.swarm.optimizer.Swarm, `agreement` its node.swarm.agreement.Agreement; `announce` is
+    called every few seconds while it downloads (the node's presence, so its peers make rounds meanwhile)."""
+
+    def __init__(self, swarm, agreement, model: torch.nn.Module, fraction: float, max_donors: int,
+                 stop: threading.Event, announce: Callable[[], None] = lambda: None):
+        self._swarm, self._agreement, self._model = swarm, agreement, model
+        self._params = list(model.parameters())
+        self._total = sum(p.numel() for p in self._params)
+        self._limit = roundlog.entry_limit([p.numel() for p in self._params], fraction)
+        self._max_donors, self._stop, self._announce = max_donors, stop, announce
+        outer = swarm.optimizer.state_averager.optimizer
+        self._outer = outer
+        self._lr, self._mu = outer.param_groups[0]["lr"], outer.param_groups[0]["momentum"]
+        self.assembly = ranges.Assembly(self._total)
+        self.sources: Counter = Counter()  # ranges received per donor
+
+    def run(self, timeout_s: float) -> bool:
+        """Download, bring forward, check; True when the model and the outer momentum hold the state the peers
+        publish for its epoch (the optimizer's epoch set to it)."""
+        opt = self._swarm.optimizer
+        opt.state_averager.allow_state_sharing = False  # its tensors are about to be overwritten
+        began, deadline = time.monotonic(), time.monotonic() + timeout_s
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            swarm_epoch = self._agreement.saw(opt.tracker.global_epoch)
+            donors = self._donors(swarm_epoch)
+            if not donors:
+                logger.info(f"No peer serves the swarm's epoch {swarm_epoch} for a download in ranges")
+                return False
+            if self.assembly.missing():
+                self._pass(donors, swarm_epoch, deadline)
+                if self.assembly.missing():
+                    self._stop.wait(PASS_PAUSE_S)
+                    continue
+            newest = self.assembly.newest()
+            if self.assembly.oldest() < newest and not self._bring_forward(newest, donors):
+                dropped = self.assembly.drop_before(newest)
+                logger.info(f"No round log brings the older ranges to epoch {newest}: downloading {dropped} again")
+                continue
+            return self._check(began)
+        return False
+
+    def _donors(self, swarm_epoch: int) -> list[PeerID]:
+        """Full peers that serve the bytes of reference of the swarm's epoch (or of the one before, while the newest
+        is in the making), up to max_donors."""
+        for epoch in (swarm_epoch, swarm_epoch - 1):
+            records = self._agreement.records(epoch)
+            found = reference_of(records)
+            if found is not None or epoch <= 0:
+                break
+        if found is None:
+            return []
+        peers = [peer for peer, r in sorted(records.items(), key=lambda item: -item[1].priority)
+                 if r.digest == found[1].digest and r.served and not r.client and peer != self._swarm.peer_id]
+        return [PeerID.from_base58(p) for p in peers[:self._max_donors]]
+
+    def _pass(self, donors: list[PeerID], swarm_epoch: int, deadline: float) -> None:
+        todo = self.assembly.missing()
+        lo, hi = max(0, swarm_epoch - roundlog.MAX_ROUNDS), swarm_epoch + roundlog.MAX_ROUNDS
+        service = self._swarm.service
+
+        def on_piece(donor: PeerID, r: ranges.Range, piece: ranges.Piece) -> None:
+            self.assembly.add(r, piece)
+            self.sources[str(donor)] += 1
+
+        logger.info(f"Downloading {len(todo)} ranges of the state ({8 * sum(r.length for r in todo) / 1e6:.1f} MB) "
+                    f"from {len(donors)} donors: {', '.join(str(d) for d in donors)}")
+        future = service.submit(fetch_ranges(service.p2p, donors, todo, lo, hi, on_piece))
+        while True:
+            self._announce()
+            try:
+                failed = future.result(min(POLL_S, max(0.0, deadline - time.monotonic())))
+                break
+            except concurrent.futures.TimeoutError:
+                if self._stop.is_set() or time.monotonic() >= deadline:
+                    future.cancel()
+                    return
+        for donor, why in failed.items():
+            logger.info(f"Donor {donor} failed ({why}); its ranges went to the others")
+
+    def _bring_forward(self, newest: int, donors: list[PeerID]) -> bool:
+        oldest = self.assembly.oldest()
+        count = newest - oldest
+        for donor in donors:
+            try:
+                data = self._swarm.service.run(roundlog.fetch(
+                    self._swarm.service.p2p, donor, oldest, count,
+                    roundlog.max_answer_bytes(count, self._total, self._limit), roundlog.FETCH_TIMEOUT_S),
+                    roundlog.FETCH_TIMEOUT_S + 5.0)
+                rounds = roundlog.unframe(data, oldest, count, self._total, self._limit)
+            except Exception as e:
+                logger.info(f"No round log from {donor}: {e!r}")
+                continue
+            if len(rounds) == count:
+                self.assembly.bring_forward(rounds, self._lr, self._mu)
+                logger.info(f"Brought the ranges of epochs {oldest}..{newest - 1} to epoch {newest} with the "
+                            f"rounds from {donor}")
+                return True
+        return False
+
+    def _check(self, began: float) -> bool:
+        epoch = self.assembly.newest()
+        deadline = time.monotonic() + RECORD_WAIT_S
+        while (found := reference_of(self._agreement.records(epoch))) is None and time.monotonic() < deadline:
+            if self._stop.wait(0.2):
+                return False
+        if found is None:
+            logger.info(f"No peer publishes its bytes for epoch {epoch}: nothing to check the ranges against")
+            return False
+        momentum = [self._outer.state[p]["momentum_buffer"] for p in self._params]
+        self.assembly.load_into(self._params, momentum)
+        if params_digest(self._model) != found[1].digest:
+            logger.warning(f"The ranges assembled for epoch {epoch} are not the bytes the peers publish")
+            return False
+        roundlog.adopt_epoch(self._swarm.optimizer, epoch)
+        took = time.monotonic() - began
+        per_donor = ", ".join(f"{peer} {n}" for peer, n in self.sources.most_common())
+        logger.info(f"Downloaded the state of epoch {epoch} in ranges from {len(self.sources)} donors in {took:.1f}s "
+                    f"({8 * self._total / 1e6:.1f} MB; ranges per donor: {per_donor})")
+        return True

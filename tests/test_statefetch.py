@@ -1,0 +1,79 @@
+"""Ranges of a state fetched from several donors over real libp2p streams on 127.0.0.1 (node.lowcomm.statefetch): a
+donor that stops answering mid-download and one that answers wrong lose their ranges to the one that answers."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from google.protobuf import wrappers_pb2
+from hivemind.p2p import P2P
+
+from dtrain.node.lowcomm import ranges, statefetch
+
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(60)]
+
+SIZES = (70_000, 3, 130_000, 1_000)  # ranges cut across tensors
+TOTAL = sum(SIZES)
+
+
+def state(epoch: int):
+    g = torch.Generator().manual_seed(epoch)
+    params = [torch.randn(n, generator=g).numpy() for n in SIZES]
+    momentum = [torch.randn(n, generator=g) for n in SIZES]
+    return params, momentum
+
+
+def test_ranges_come_from_several_donors_and_a_failing_donors_ranges_go_to_the_others():
+    params, momentum = state(5)
+    good, stalls, liar = (statefetch.RangeDonor(TOTAL) for _ in range(3))
+    for donor in (good, stalls, liar):
+        donor.hold(5, params, momentum)
+    liar.hold(5, params, [m * 2 for m in momentum])  # the same ranges, other momentum: refused by no check...
+    liar._held = liar._held._replace(epoch=99)  # ...but an epoch far from the swarm's is
+    answered = 0
+
+    async def stall_after_two(request, context):
+        nonlocal answered
+        answered += 1
+        if answered > 2:  # a donor that dies mid-download: no answer, ever
+            await asyncio.sleep(3600)
+        async for message in stalls.serve(request, context):
+            yield message
+
+    async def run():
+        servers = [await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(3)]
+        maddrs = [str(m) for s in servers for m in await s.get_visible_maddrs()]
+        client = await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        try:
+            for server, handler in zip(servers, (good.serve, stall_after_two, liar.serve)):
+                await server.add_protobuf_handler(statefetch.RANGE_HANDLER, handler, wrappers_pb2.BytesValue,
+                                                  stream_output=True)
+            assembly, sources = ranges.Assembly(TOTAL, range_elements=8192), {}
+
+            def on_piece(donor, r, piece):
+                assembly.add(r, piece)
+                sources[r] = donor
+
+            donors = [s.peer_id for s in servers]
+            failed = await statefetch.fetch_ranges(client, donors, assembly.ranges, 0, 20, on_piece, in_flight=2,
+                                                   timeout_s=2.0)
+            return assembly, sources, failed, donors
+        finally:
+            await client.shutdown()
+            for server in servers:
+                await server.shutdown()
+
+    assembly, sources, failed, (good_id, stalls_id, liar_id) = asyncio.run(run())
+    assert set(failed) == {stalls_id, liar_id}, failed
+    assert "TimeoutError" in failed[stalls_id] and "epoch 99" in failed[liar_id]
+    assert assembly.missing() == []
+    by_donor = {d: sum(1 for s in sources.values() if s == d) for d in (good_id, stalls_id, liar_id)}
+    assert by_donor[stalls_id] == 2 and by_donor[liar_id] == 0 and by_donor[good_id] == len(assembly.ranges) - 2
+    flat_params = [torch.zeros(n) for n in SIZES]
+    flat_momentum = [torch.zeros(n) for n in SIZES]
+    assert assembly.load_into(flat_params, flat_momentum) == 5
+    assert all(np.array_equal(a.numpy(), b) for a, b in zip(flat_params, params))
+    assert all(torch.equal(a, b) for a, b in zip(flat_momentum, momentum))
