@@ -198,18 +198,20 @@ class SpreadDownload:
         return False
 
     def _donors(self, swarm_epoch: int) -> list[PeerID]:
-        """Full peers that serve the bytes of reference of the swarm's epoch (or of the one before, while the newest
-        is in the making), up to max_donors."""
+        """Full peers that serve the reference bytes of the swarm's epoch or of the one before (a peer still
+        finishing the newest round serves the last one, which the round log brings forward), up to max_donors."""
+        donors: list[str] = []
         for epoch in (swarm_epoch, swarm_epoch - 1):
+            if epoch < 0:
+                break
             records = self._agreement.records(epoch)
             found = reference_of(records)
-            if found is not None or epoch <= 0:
-                break
-        if found is None:
-            return []
-        peers = [peer for peer, r in sorted(records.items(), key=lambda item: -item[1].priority)
-                 if r.digest == found[1].digest and r.served and not r.client and peer != self._swarm.peer_id]
-        return [PeerID.from_base58(p) for p in peers[:self._max_donors]]
+            if found is None:
+                continue
+            donors += [peer for peer, r in sorted(records.items(), key=lambda item: -item[1].priority)
+                       if r.digest == found[1].digest and r.served and not r.client
+                       and peer != self._swarm.peer_id and peer not in donors]
+        return [PeerID.from_base58(p) for p in donors[:self._max_donors]]
 
     def _pass(self, donors: list[PeerID], swarm_epoch: int, deadline: float) -> None:
         todo = self.assembly.missing()
