@@ -126,29 +126,41 @@ async def fetch_ranges(p2p: P2P, donors: Sequence[PeerID], todo: Sequence[ranges
                        max_epoch: int, on_piece: Callable[[PeerID, ranges.Range, ranges.Piece], None],
                        in_flight: int = IN_FLIGHT, timeout_s: float = RANGE_TIMEOUT_S) -> dict[PeerID, str]:
     """Ask `donors` for the ranges of `todo`, `in_flight` at a time each, until every range came or every donor
-    failed; a failed donor's range goes back for the others. Returns the failed donors and why."""
+    failed; a failed donor's range goes back for the others. Once nothing is left to ask, a donor with a free slot
+    also asks for a range another donor is still sending (the first answer counts): a slow donor does not hold up
+    the last ranges. Returns the failed donors and why."""
     queue, failed = deque(todo), {}
-    busy = 0  # ranges being fetched: one may come back to the queue
+    fetching: dict[ranges.Range, set] = {}  # range -> the donors asked for it, in the order they were asked
+    done: set = set()
 
     async def worker(donor: PeerID) -> None:
-        nonlocal busy
         while donor not in failed:
-            if not queue:
-                if not busy:
-                    return
-                await asyncio.sleep(0.05)
-                continue
-            r = queue.popleft()
-            busy += 1
+            if queue:
+                r = queue.popleft()
+            else:
+                spare = [r for r, asked in fetching.items() if len(asked) == 1 and donor not in asked]
+                if not spare:
+                    if not fetching:
+                        return
+                    await asyncio.sleep(0.05)
+                    continue
+                r = spare[0]  # the one asked longest ago
+            asked = fetching.setdefault(r, set())
+            asked.add(donor)
             try:
                 piece = await fetch_range(p2p, donor, r, min_epoch, max_epoch, timeout_s)
             except Exception as e:  # no answer, a timeout, a wrong answer: the range goes to another donor
-                queue.appendleft(r)
                 failed.setdefault(donor, repr(e))
+                asked.discard(donor)
+                if not asked and r not in done:
+                    fetching.pop(r, None)
+                    queue.appendleft(r)
                 continue
-            finally:
-                busy -= 1
-            on_piece(donor, r, piece)
+            asked.discard(donor)
+            if r not in done:
+                done.add(r)
+                fetching.pop(r, None)
+                on_piece(donor, r, piece)
 
     await asyncio.gather(*(worker(d) for d in donors for _ in range(in_flight)))
     return failed
