@@ -42,6 +42,7 @@ RANGE_TIMEOUT_S = 30.0  # one range (512 KiB) at well under 1 Mbit/s: a donor sl
 PASS_PAUSE_S = 1.0  # between two passes, when every donor of a pass failed
 RECORD_WAIT_S = 10.0  # for the peers' records of the epoch the pieces are of
 POLL_S = 2.0  # the joiner's thread looks at a pass this often (to keep announcing itself)
+MAX_PASSES = 10  # passes (donors read afresh, missing or stale ranges asked again) before hivemind's download
 
 
 class Held(NamedTuple):
@@ -183,21 +184,25 @@ class SpreadDownload:
         self._lr, self._mu = outer.param_groups[0]["lr"], outer.param_groups[0]["momentum"]
         self.assembly = ranges.Assembly(self._total)
         self.sources: Counter = Counter()  # ranges received per donor
+        self._progress_at = 0.0  # when the last range came (monotonic)
 
     def run(self, timeout_s: float) -> bool:
         """Download, bring forward, check; True when the model and the outer momentum hold the state the peers
-        publish for its epoch (the optimizer's epoch set to it)."""
+        publish for its epoch (the optimizer's epoch set to it). Gives up after `timeout_s` without a new range: a
+        large state over a slow link takes longer than that, and goes on while it makes progress."""
         opt = self._swarm.optimizer
         opt.state_averager.allow_state_sharing = False  # its tensors are about to be overwritten
-        began, deadline = time.monotonic(), time.monotonic() + timeout_s
-        while not self._stop.is_set() and time.monotonic() < deadline:
+        began = self._progress_at = time.monotonic()
+        for _ in range(MAX_PASSES):
+            if self._stop.is_set() or time.monotonic() >= self._progress_at + timeout_s:
+                return False
             swarm_epoch = self._agreement.saw(opt.tracker.global_epoch)
             donors = self._donors(swarm_epoch)
             if not donors:
                 logger.info(f"No peer serves the swarm's epoch {swarm_epoch} for a download in ranges")
                 return False
             if self.assembly.missing():
-                self._pass(donors, swarm_epoch, deadline)
+                self._pass(donors, swarm_epoch, timeout_s)
                 if self.assembly.missing():
                     self._stop.wait(PASS_PAUSE_S)
                     continue
@@ -225,13 +230,14 @@ class SpreadDownload:
                        and peer != self._swarm.peer_id and peer not in donors]
         return [PeerID.from_base58(p) for p in donors[:self._max_donors]]
 
-    def _pass(self, donors: list[PeerID], swarm_epoch: int, deadline: float) -> None:
+    def _pass(self, donors: list[PeerID], swarm_epoch: int, timeout_s: float) -> None:
         todo = self.assembly.missing()
         lo, hi = max(0, swarm_epoch - roundlog.MAX_ROUNDS), swarm_epoch + roundlog.MAX_ROUNDS
         service = self._swarm.service
 
         def on_piece(donor: PeerID, r: ranges.Range, piece: ranges.Piece) -> None:
             self.assembly.add(r, piece)
+            self._progress_at = time.monotonic()
             self.sources[str(donor)] += 1
 
         logger.info(f"Downloading {len(todo)} ranges of the state ({8 * sum(r.length for r in todo) / 1e6:.1f} MB) "
@@ -240,10 +246,10 @@ class SpreadDownload:
         while True:
             self._announce()
             try:
-                failed = future.result(min(POLL_S, max(0.0, deadline - time.monotonic())))
+                failed = future.result(POLL_S)
                 break
             except concurrent.futures.TimeoutError:
-                if self._stop.is_set() or time.monotonic() >= deadline:
+                if self._stop.is_set() or time.monotonic() >= self._progress_at + timeout_s:
                     future.cancel()
                     return
         for donor, why in failed.items():

@@ -339,7 +339,6 @@ class TrainingNode:
 
     def _join_download(self, timeout_s: float) -> Download:
         """A joiner serves nothing the swarm disagrees with: it downloads until the bytes agree (bounded)."""
-        deadline = time.monotonic() + timeout_s
         swarm = self.config.swarm
         if self.low_comm and swarm.wire_codec == "sparse" and swarm.state_donors > 0:
             self.presence.refresh(0, 0)  # announced while it downloads, as below
@@ -348,6 +347,7 @@ class TrainingNode:
             if spread.run(timeout_s):
                 return Download.CHECKED
             logger.info("The download in ranges did not give the swarm's state; downloading it from one peer")
+        deadline = time.monotonic() + timeout_s
         while True:
             if self.low_comm:
                 # announced while it downloads: the nodes it joins are not alone, so they make outer rounds every
