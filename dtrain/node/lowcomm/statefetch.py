@@ -228,7 +228,13 @@ class SpreadDownload:
             donors += [peer for peer, r in sorted(records.items(), key=lambda item: -item[1].priority)
                        if r.digest == found[1].digest and r.served and not r.client
                        and peer != self._swarm.peer_id and peer not in donors]
-        return [PeerID.from_base58(p) for p in donors[:self._max_donors]]
+        peers = []
+        for p in donors[:self._max_donors]:
+            try:
+                peers.append(PeerID.from_base58(p))
+            except ValueError:  # a record's subkey that names no peer
+                continue
+        return peers
 
     def _pass(self, donors: list[PeerID], swarm_epoch: int, timeout_s: float) -> None:
         todo = self.assembly.missing()

@@ -344,8 +344,11 @@ class TrainingNode:
             self.presence.refresh(0, 0)  # announced while it downloads, as below
             spread = SpreadDownload(self.swarm, self.agreement, self.model, swarm.topk_fraction, swarm.state_donors,
                                     self._stop, announce=lambda: self.presence.due() and self.presence.refresh(0, 0))
-            if spread.run(timeout_s):
-                return Download.CHECKED
+            try:
+                if spread.run(timeout_s):
+                    return Download.CHECKED
+            except Exception as e:  # whatever went wrong, the download below overwrites what it wrote
+                logger.exception(f"The download in ranges failed: {e!r}")
             logger.info("The download in ranges did not give the swarm's state; downloading it from one peer")
         deadline = time.monotonic() + timeout_s
         while True:
