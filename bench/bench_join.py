@@ -30,7 +30,8 @@ STAMP = re.compile(r"^(\w{3} \d+ \d\d:\d\d:\d\d\.\d{3}) ")
 BEGIN = re.compile(r"Downloading \d+ ranges of the state|Loading the swarm's parameters and optimizer state")
 SERVED = re.compile(r"step \d+ params sha256")
 RECORDS_EXPIRE_S = 25.0  # a killed joiner's DHT records (20 s) are gone before the next one looks for donors
-WAYS = {"one peer (hivemind)": 0, "ranges, 1 donor": 1, "ranges, 2 donors": 2}
+WAYS = {"hivemind": 0, "ranges-1": 1, "ranges-2": 2}  # --state-donors of the joiner
+LABELS = {"hivemind": "one peer (hivemind)", "ranges-1": "ranges, 1 donor", "ranges-2": "ranges, 2 donors"}
 
 
 def stamp_of(output: str, pattern: re.Pattern) -> float:
@@ -93,8 +94,8 @@ def main() -> None:
     for r in rows:
         base = next((b["seconds"] for b in rows if b["joiner"] == r["joiner"] and WAYS[b["way"]] == 0), None)
         vs = f"{base / r['seconds']:.2f}x" if base else ""
-        print(f"| {r['way']}{' (fell back)' if r['fell_back'] else ''} | {r['joiner']} | {r['seconds']:.1f} | {vs} "
-              f"| {'yes' if r['same_bytes'] else 'no'} |")
+        label = LABELS[r["way"]] + (" (fell back)" if r["fell_back"] else "")
+        print(f"| {label} | {r['joiner']} | {r['seconds']:.1f} | {vs} | {'yes' if r['same_bytes'] else 'no'} |")
 
 
 if __name__ == "__main__":
