@@ -1,5 +1,5 @@
-"""A joiner's first download of a sparse swarm's state, spread over several donors and resumable (docs/low-communication.md,
-"Joining from several donors"); `--state-donors N`.
+"""A joiner's first download of a sparse swarm's state, spread over several donors and resumable
+(docs/low-communication.md, "Joining from several donors"); `--state-donors N`.
 
 Donor: `RangeDonor` holds a copy of the state it serves (the snapshot's parameters, which are immutable, and a copy
 of the outer momentum taken when the snapshot is published, so an answer is one epoch's bytes even while the node's

@@ -645,7 +645,8 @@ class TrainingNode:
         self._snapshot = snap
         if self.donor is not None:  # the outer momentum of this epoch, copied before the next outer step moves it
             outer = self.swarm.optimizer.state_averager.optimizer
-            self.donor.hold(snap.updates, snap.f32, [outer.state[p]["momentum_buffer"] for p in self.model.parameters()])
+            momentum = [outer.state[p]["momentum_buffer"] for p in self.model.parameters()]
+            self.donor.hold(snap.updates, snap.f32, momentum)
         self._share_state()
         norm = float(np.sqrt(sum(np.dot(a.astype(np.float64), a) for a in snap.f32)))
         logger.info(f"step {snap.step} params sha256 {snap.digest} l2 {norm:.12e}")
