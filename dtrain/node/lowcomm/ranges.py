@@ -1,6 +1,6 @@
 """A sparse swarm's state cut into ranges that a joiner downloads from several donors at once
-(docs/low-communication.md, "Joining from several donors"): the plan, the wire format of one range and its checks, and the assembly of ranges
-of different epochs into one state. Pure: no network, no node.
+(docs/low-communication.md, "Joining from several donors"): the plan, the wire format of one range and its checks,
+and the assembly of ranges of different epochs into one state. Pure: no network, no node.
 
 The state of epoch e is the same bytes on every node of a sparse swarm: the parameters and the outer Nesterov
 momentum (node.lowcomm.gather). A range is `length` consecutive elements of the model's flat parameter order,
