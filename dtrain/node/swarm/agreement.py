@@ -46,6 +46,7 @@ RECHECK_EVERY_S = 1.0
 LOAD_ATTEMPTS = 5  # downloads of the swarm's state until its bytes match what peers published
 RETRY_S = 1.0  # pause between two downloads: the peer it came from was inside an update
 KEEP_EPOCHS = 2  # this peer's records kept alive: the epoch it serves and the one before
+KEEP_ALIVE_S = 5.0  # how often they are refreshed (records live dht_records.RECORD_TTL_S)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ class Agreement:
         self.seed_digest = seed_digest  # this node's parameters of epoch 0 (seeded, or imported with --init-from)
         self._records: dict[int, Record] = {}  # epoch -> what this peer published for it (the last KEEP_EPOCHS)
         self._next_recheck = 0.0
+        self._next_keep_alive = 0.0
         self._swarm_epoch = 0  # the latest epoch of the swarm this peer has seen (see `saw`)
 
     @property
@@ -151,7 +153,11 @@ class Agreement:
                                                   client=self.client))
 
     def keep_alive(self) -> None:
-        """Refresh this peer's latest records (records expire after dht_records.RECORD_TTL_S)."""
+        """Refresh this peer's latest records (records expire after dht_records.RECORD_TTL_S), at most every
+        KEEP_ALIVE_S: call it after every iteration."""
+        if time.monotonic() < self._next_keep_alive:
+            return
+        self._next_keep_alive = time.monotonic() + KEEP_ALIVE_S
         for epoch, record in self._records.items():
             dht_records.store(self.dht, self._key(epoch), self.owner, record.as_dict())
 
@@ -189,7 +195,7 @@ class Agreement:
                 return Download.CHECKED
             if epoch == 0:
                 swarm_epoch = self.saw(opt.tracker.global_epoch)
-                if swarm_epoch == 0 and self._is_epoch_zero(digest):
+                if swarm_epoch == 0 and self.is_epoch_zero(digest):
                     return Download.CHECKED
                 logger.info(f"No state of the swarm's epoch {swarm_epoch} came (no peer shared one, "
                             f"or it was not the swarm's start); loading again")
@@ -220,11 +226,11 @@ class Agreement:
         peers serve for its epoch, else downloaded again through `load_state_from_peers`."""
         epoch, digest = self.optimizer.local_epoch, params_digest(self.model)
         published = self._others(epoch)
-        if (epoch == 0 and self._is_epoch_zero(digest)) or _is_reference(published, digest):
+        if (epoch == 0 and self.is_epoch_zero(digest)) or _is_reference(published, digest):
             return Download.CHECKED
         return self.load_state_from_peers()
 
-    def _is_epoch_zero(self, digest: str) -> bool:
+    def is_epoch_zero(self, digest: str) -> bool:
         """The swarm's start: what its founder published for epoch 0 (a swarm started --init-from a checkpoint), or,
         when no one did, the seeded model every node builds alike."""
         published = self._others(0)

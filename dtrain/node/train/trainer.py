@@ -420,7 +420,9 @@ class TrainingNode:
         """After each iteration: the presence record and agreement kept alive, the checkpoint when one is due."""
         if self.presence.due():
             self.presence.refresh(self.step, self.gradient.samples)
-            self.agreement.keep_alive()
+        # on a timer of its own: the presence is also refreshed elsewhere (_alone, --wait-for-peers), which left
+        # this peer's records to expire in a swarm waiting for peers or idle
+        self.agreement.keep_alive()
         epoch = self.swarm.epoch
         if self.config.checkpoint_dir and epoch - self._last_checkpoint_epoch >= self.config.checkpoint_every:
             self._save_checkpoint()
