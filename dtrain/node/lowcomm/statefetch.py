@@ -283,16 +283,17 @@ class SpreadDownload:
 
     def _check(self, began: float) -> bool:
         epoch = self.assembly.newest()
-        deadline = time.monotonic() + RECORD_WAIT_S
+        deadline = time.monotonic() + (RECORD_WAIT_S if epoch > 0 else 0.0)  # epoch 0: the swarm's start
         while (found := reference_of(self._agreement.records(epoch))) is None and time.monotonic() < deadline:
             if self._stop.wait(0.2):
                 return False
-        if found is None:
+        if found is None and epoch > 0:
             logger.info(f"No peer publishes its bytes for epoch {epoch}: nothing to check the ranges against")
             return False
         momentum = [self._outer.state[p]["momentum_buffer"] for p in self._params]
         self.assembly.load_into(self._params, momentum)
-        if params_digest(self._model) != found[1].digest:
+        digest = params_digest(self._model)
+        if not (digest == found[1].digest if found is not None else self._agreement.is_epoch_zero(digest)):
             logger.warning(f"The ranges assembled for epoch {epoch} are not the bytes the peers publish")
             return False
         roundlog.adopt_epoch(self._swarm.optimizer, epoch)
