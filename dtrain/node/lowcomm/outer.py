@@ -26,9 +26,25 @@ class OuterNesterov(torch.optim.Optimizer):
         for group in self.param_groups:  # the state exists from the start: a joiner downloads it like any other
             for p in group["params"]:
                 self.state[p] = {"momentum_buffer": torch.zeros_like(p)}
+        # even while the state is still, odd while a step or a load writes it: a reader that saw one even version
+        # before and after its copy has one moment's momentum (node.swarm.optimizer.ServedState)
+        self.version = 0
+        self.register_load_state_dict_pre_hook(lambda *_: self._bump())
+        self.register_load_state_dict_post_hook(lambda *_: self._bump())
+
+    def _bump(self) -> None:
+        self.version += 1
 
     @torch.no_grad()
     def step(self, closure=None):
+        self._bump()
+        try:
+            self._step()
+        finally:
+            self._bump()
+        return None
+
+    def _step(self) -> None:
         for group in self.param_groups:
             lr, mu = group["lr"], group["momentum"]
             for p in group["params"]:
@@ -41,7 +57,6 @@ class OuterNesterov(torch.optim.Optimizer):
                         p.sub_(p.grad)
                     continue
                 nesterov_(p, p.grad, self.state[p]["momentum_buffer"], lr, mu)
-        return None
 
 
 def nesterov_(p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, lr: float, mu: float) -> None:

@@ -214,6 +214,24 @@ class PacedTracker(ProgressTracker):
         return get_dht_time() if self.ready_to_update_epoch else float("inf")
 
 
+SERVED_WAIT_S = 5.0  # how long a download request waits for the outer step's state to settle into a published one
+
+
+class StateNotServed(RuntimeError):
+    """The node cannot hand out one epoch's state right now (an outer step or a download is writing it)."""
+
+
+@dataclass(frozen=True)
+class ServedState:
+    """Low-comm: the state this node hands a downloading peer, which is the swarm's at `epoch`: the parameters of the
+    snapshot it serves (the round's anchor; never the inner updates' parameters) and the outer optimizer's state as
+    it was at outer-optimizer `version` (OuterNesterov.version)."""
+
+    epoch: int
+    params: Sequence  # flat float32 arrays in the order of the model's parameters (Snapshot.f32)
+    version: int
+
+
 class SwarmStateAverager(Retimable, KeyGatedServicer, TrainingStateAverager):
     """hivemind's state averager (parameter and state averaging, state downloads) whose RPCs, in a closed swarm,
     answer only peers that prove the key (node.swarm.keygate), and whose downloads are one moment's state."""
@@ -222,6 +240,7 @@ class SwarmStateAverager(Retimable, KeyGatedServicer, TrainingStateAverager):
         # the parameters and optimizer state are the averaged tensors themselves (they are in shared memory already,
         # node.swarm.optimizer.keep_state_shared): no second copy of them (up to 3P). An all-reduce then writes the
         # training tensors: it holds lock_averaged_tensors while it does, and `step` waits for it to let go
+        self.served: Optional[ServedState] = None
         super().__init__(*args, reuse_tensors=True, **kwargs)
 
     def step(self, *args, averaging_round: bool = False, averaging_control=None, increment_epoch: bool = False,
@@ -250,11 +269,32 @@ class SwarmStateAverager(Retimable, KeyGatedServicer, TrainingStateAverager):
         parameters and optimizer state and serializes each when the stream reaches it; over a home uplink that is
         tens of seconds later, after the node's next updates: a torn state (parameters of one moment, momentum of
         another) that no digest check of the parameters can catch, and a joiner that never catches up. The copies
-        are made under lock_averaged_tensors, which an all-reduce writing the same tensors holds."""
-        metadata, tensors, infos = super().get_current_state()
-        with self.lock_averaged_tensors:
-            tensors = [t.clone() for t in tensors]
-        return metadata, tensors, infos
+        are made under lock_averaged_tensors, which an all-reduce writing the same tensors holds.
+
+        Low-comm (`served` set): the parameters are those of the served snapshot, so a node hands out the swarm's
+        state of its epoch during its inner updates too (before, it shared nothing then, and a node that missed a
+        round found no peer to download from until the next round). The outer optimizer's state goes with them
+        when it is still the one of that epoch; while an outer step or a load writes it, the request waits
+        (SERVED_WAIT_S) for the snapshot that follows, else fails and the peer asks another."""
+        if self.served is None:
+            metadata, tensors, infos = super().get_current_state()
+            with self.lock_averaged_tensors:
+                tensors = [t.clone() for t in tensors]
+            return metadata, tensors, infos
+        outer, deadline = self.optimizer, time.monotonic() + SERVED_WAIT_S
+        while True:
+            served, version = self.served, outer.version
+            metadata, tensors, infos = super().get_current_state()
+            n = len(served.params)
+            with self.lock_averaged_tensors:
+                rest = [t.clone() for t in tensors[n:]]
+            if version % 2 == 0 and outer.version == version == served.version and metadata["epoch"] == served.epoch:
+                params = [torch.tensor(a).view_as(t) for a, t in zip(served.params, tensors[:n])]
+                return metadata, params + rest, infos
+            if time.monotonic() >= deadline:
+                raise StateNotServed(f"no settled state of one epoch within {SERVED_WAIT_S:g}s (epoch "
+                                     f"{metadata['epoch']}, served {served.epoch})")
+            time.sleep(0.05)
 
 
 class SwarmOptimizer(hivemind.Optimizer):

@@ -56,8 +56,7 @@ class OuterRoundLoop:
     def _inner_step(self) -> None:
         node = self.node
         if node.gradient.undrained_samples:
-            # a peer's download must never see parameters between the anchor and an inner update
-            node.swarm.optimizer.state_averager.allow_state_sharing = False
+            # a peer's download gets the served snapshot, never these parameters (node.swarm.optimizer.ServedState)
             node.rounds.inner_step(node.gradient.drain())
 
     def _step(self) -> None:

@@ -42,8 +42,8 @@ from dtrain.node.train.reference import ReferenceConfig, ReferenceSource
 from dtrain.node.train.robust import RobustAggregator, RobustConfig, all_finite, optimizer_state_tensors
 from dtrain.node.snapshot import Snapshot, make_snapshot, params_digest
 from dtrain.node.swarm.deadlines import RoundClock, swarm_deadlines
-from dtrain.node.swarm.optimizer import (SHUTDOWN_TIMEOUT_S, Swarm, keep_state_shared, make_local_optimizer,
-                                         regroup_state_dict)
+from dtrain.node.swarm.optimizer import (SHUTDOWN_TIMEOUT_S, ServedState, Swarm, keep_state_shared,
+                                         make_local_optimizer, regroup_state_dict)
 
 logger = get_logger(__name__)
 
@@ -631,11 +631,9 @@ class TrainingNode:
             self._publish(agreed)
 
     def _sync_sharing(self) -> None:
-        """Low-comm: a node shares its state only while its parameters are the anchor (the bytes it serves)."""
-        if self.rounds.at_anchor():
-            self._share_state()
-        else:
-            self.swarm.optimizer.state_averager.allow_state_sharing = False
+        """Low-comm: a node shares its state between rounds too: a download gets the served snapshot's parameters
+        and the outer state of their epoch, never the inner updates' parameters (node.swarm.optimizer.ServedState)."""
+        self._share_state()
 
     def _share_state(self) -> None:
         # the model's bytes are the ones this node serves: peers may download them (off while it loads a state);
@@ -649,6 +647,9 @@ class TrainingNode:
             outer = self.swarm.optimizer.state_averager.optimizer
             momentum = [outer.state[p]["momentum_buffer"] for p in self.model.parameters()]
             self.donor.hold(snap.updates, snap.f32, momentum)
+        if self.rounds is not None:  # low-comm: what a downloading peer gets from now on
+            averager = self.swarm.optimizer.state_averager
+            averager.served = ServedState(snap.updates, snap.f32, averager.optimizer.version)
         self._share_state()
         norm = float(np.sqrt(sum(np.dot(a.astype(np.float64), a) for a in snap.f32)))
         logger.info(f"step {snap.step} params sha256 {snap.digest} l2 {norm:.12e}")
