@@ -229,6 +229,20 @@ class NodeProcess:
             self.proc.wait(5)
 
 
+NETNS_PORT = 4100  # a node in a network namespace of its own listens on it, on every address there
+
+
+def start_in(host, name: str, args: Sequence[str], run_id: str, initial_peers: Sequence[str] = ()) -> NodeProcess:
+    """A node in network namespace `host` (tests.netns)."""
+    return NodeProcess(name, args, run_id, initial_peers=initial_peers, netns=host,
+                       host_maddrs=f"/ip4/0.0.0.0/tcp/{NETNS_PORT}")
+
+
+def maddrs_on(node: NodeProcess, host) -> list[str]:
+    """`node`'s addresses on the interface of namespace `host`: what a node in another namespace dials."""
+    return [m for m in node.status()["maddrs"] if m.startswith(f"/ip4/{host.ip}/")]
+
+
 def start_swarm(n: int, args: Sequence[str], run_id: str, ready_timeout_s: float = 90.0) -> list[NodeProcess]:
     """A first node on its own, then n - 1 nodes joining it at its printed multiaddrs; returns once all serve."""
     nodes = [NodeProcess("A", args, run_id)]

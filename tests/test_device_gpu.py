@@ -104,13 +104,7 @@ def test_a_node_on_cuda_trains_and_serves_its_fp32_master_bytes():
     prompts = [tok.encode(text).ids for text in ("To be, or not to be", "Once upon a time there")]
     runs = {}
     for device in (torch.device("cpu"), CUDA):
-        engine = ServeEngine(SnapshotWeights(models, device), lambda ids: tok.decode(list(ids)), ServeConfig(),
-                             eos_token_id=50256, device=device)
-        engine.start()
-        try:
-            runs[device.type] = _greedy(engine, prompts)
-        finally:
-            engine.stop()
+        runs[device.type] = _greedy(SnapshotWeights(models, device), device, tok, prompts)
         template = meta_template(node.model_config)
         split = SplitEngine(template, lambda: node.step, KVCacheStore(), DPConfig(), ExpertRegistry(), device=device,
                             source=models)
@@ -122,15 +116,22 @@ def test_a_node_on_cuda_trains_and_serves_its_fp32_master_bytes():
     np.testing.assert_allclose(runs["cuda split"], runs["cpu split"], atol=2e-4, rtol=1e-4)
 
 
-def _greedy(engine: ServeEngine, prompts) -> list[tuple[list[int], list[float]]]:
-    """Per prompt: the greedy tokens and, per token, the logprobs of its 3 most likely candidates."""
+def _greedy(weights, device: torch.device, tok, prompts) -> list[tuple[list[int], list[float]]]:
+    """Per prompt, from a /v1 engine on `device` reading `weights`: the greedy tokens and, per token, the logprobs of
+    its 3 most likely candidates."""
+    engine = ServeEngine(weights, lambda ids: tok.decode(list(ids)), ServeConfig(), eos_token_id=50256, device=device)
+    engine.start()
     runs = []
-    for p in prompts:
-        logprobs: list[float] = []
-        ticket = engine.submit(Generation(tuple(p), SamplingParams(max_tokens=12, temperature=0.0, logprobs=3)),
-                               lambda e: logprobs.extend(lp for t in getattr(e, "logprobs", ()) for _, _, lp in t.top))
-        assert ticket.done.wait(60)
-        runs.append((ticket.token_ids[0], logprobs))
+    try:
+        for p in prompts:
+            logprobs: list[float] = []
+            ticket = engine.submit(Generation(tuple(p), SamplingParams(max_tokens=12, temperature=0.0, logprobs=3)),
+                                   lambda e: logprobs.extend(lp for t in getattr(e, "logprobs", ())
+                                                             for _, _, lp in t.top))
+            assert ticket.done.wait(60)
+            runs.append((ticket.token_ids[0], logprobs))
+    finally:
+        engine.stop()
     return runs
 
 
@@ -139,13 +140,7 @@ def test_the_v1_engine_on_cuda_gives_the_cpus_tokens_and_logprobs(model):
     prompts = [tok.encode(text).ids for text in ("To be, or not to be", "Hello", "Once upon a time there")]
     runs = {}
     for device in (torch.device("cpu"), CUDA):
-        engine = ServeEngine(FixedWeights(model), lambda ids: tok.decode(list(ids)), ServeConfig(),
-                             eos_token_id=50256, device=device)
-        engine.start()
-        try:
-            runs[device.type] = _greedy(engine, prompts)
-        finally:
-            engine.stop()
+        runs[device.type] = _greedy(FixedWeights(model), device, tok, prompts)
     for (cpu_tokens, cpu_lp), (gpu_tokens, gpu_lp) in zip(runs["cpu"], runs["cuda"]):
         assert gpu_tokens == cpu_tokens and cpu_tokens
         # log-softmax of the logits: the same up to fp32 rounding on another device

@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 
 from tests import netns
-from tests.nodeproc import PER_STEP, TINY_CONFIG, NodeProcess, new_run_id, shown_on_failure, wait_until
+from tests.nodeproc import (PER_STEP, TINY_CONFIG, NodeProcess, maddrs_on, new_run_id, shown_on_failure, start_in,
+                            wait_until)
 from tests.swarmcheck import TENSOR, ByteWatch, Contributions, all_applied, tensor_f32
 
 REASON = netns.unavailable_reason()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(REASON is not None,
                                                     reason=f"network namespaces unavailable: {REASON}")]
 
-P2P_PORT = 4100  # every node listens on it in its own namespace
 ROUNDS = 3
 HOME_ROUNDS = 2  # then rounds with packets at the home node only
 PER_NODE = 2  # contributors per node per round
@@ -36,11 +36,6 @@ def no_decay(tmp_path):
     return [*PER_STEP, "--model-config", str(TINY_CONFIG), "--train-config", str(path)]
 
 
-def start(name: str, args, run_id: str, host: netns.Namespace, initial_peers=()) -> NodeProcess:
-    return NodeProcess(name, args, run_id, initial_peers=initial_peers, netns=host,
-                       host_maddrs=f"/ip4/0.0.0.0/tcp/{P2P_PORT}")
-
-
 @pytest.mark.timeout(420)
 def test_node_behind_nat_joins_as_client_and_its_packets_are_applied_everywhere(no_decay):
     run_id = new_run_id()
@@ -49,12 +44,12 @@ def test_node_behind_nat_joins_as_client_and_its_packets_are_applied_everywhere(
         router = net.nat_router()
         hosts = {"A": net.host("a"), "B": net.host("b"), "H": net.host("home", behind=router)}
         with shown_on_failure(nodes):
-            a = start("A", no_decay, run_id, hosts["A"])
+            a = start_in(hosts["A"], "A", no_decay, run_id)
             nodes.append(a)
             a.wait_ready()
-            peers = [m for m in a.status()["maddrs"] if m.startswith(f"/ip4/{hosts['A'].ip}/")]
+            peers = maddrs_on(a, hosts["A"])
             assert peers, a.status()["maddrs"]
-            nodes += [start(name, no_decay, run_id, hosts[name], peers) for name in ("B", "H")]
+            nodes += [start_in(hosts[name], name, no_decay, run_id, peers) for name in ("B", "H")]
             for node in nodes[1:]:
                 node.wait_ready()
             reach = {n.name: n.status()["reachability"] for n in nodes}

@@ -14,7 +14,7 @@ import re
 import pytest
 
 from tests import netns
-from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, shown_on_failure, wait_until
+from tests.nodeproc import TINY_CONFIG, maddrs_on, new_run_id, shown_on_failure, start_in, wait_until
 from tests.swarmcheck import ByteWatch
 from tests.texts import shakespeare
 
@@ -22,34 +22,36 @@ REASON = netns.unavailable_reason()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(REASON is not None,
                                                     reason=f"network namespaces unavailable: {REASON}")]
 
-P2P_PORT = 4100
 RATE_MBIT = 4  # C's state (parameters and outer momentum, about 13 MB) takes 25 s and more; a round, a few seconds
 INNER = 4
 REPLAYED = re.compile(r"Caught up from epoch (\d+) to (\d+) by replaying (\d+) rounds")
 
 
-@pytest.mark.timeout(420)
-def test_a_joiner_over_a_slow_link_catches_up_by_replaying_rounds(tmp_path):
+def sparse_args(tmp_path) -> list[str]:
+    """A tiny model trained on a text of its own in sparse low-comm rounds of INNER inner updates."""
     text = tmp_path / "train.txt"
     text.write_text(shakespeare(30_000))
-    args = ["--model-config", str(TINY_CONFIG), "--train-data", str(text), "--local-batch-size", "2",
+    return ["--model-config", str(TINY_CONFIG), "--train-data", str(text), "--local-batch-size", "2",
             "--local-seq-len", "32", "--sync", "low-comm", "--inner-steps", str(INNER), "--wire-codec", "sparse",
             "--topk-fraction", "0.01"]
+
+
+@pytest.mark.timeout(420)
+def test_a_joiner_over_a_slow_link_catches_up_by_replaying_rounds(tmp_path):
+    args = sparse_args(tmp_path)
     run_id, nodes = new_run_id(), []
     with netns.Net() as net:
         router = net.nat_router()
         hosts = {"A": net.host("a"), "B": net.host("b"), "C": net.host("c", rate_mbit=RATE_MBIT, behind=router)}
 
         def start(name, peers=()):
-            node = NodeProcess(name, args, run_id, initial_peers=peers, netns=hosts[name],
-                               host_maddrs=f"/ip4/0.0.0.0/tcp/{P2P_PORT}")
-            nodes.append(node)
-            return node
+            nodes.append(start_in(hosts[name], name, args, run_id, peers))
+            return nodes[-1]
 
         with shown_on_failure(nodes):
             a = start("A")
             a.wait_ready()
-            peers = [m for m in a.status()["maddrs"] if m.startswith(f"/ip4/{hosts['A'].ip}/")]
+            peers = maddrs_on(a, hosts["A"])
             start("B", peers).wait_ready()
             wait_until(lambda: min(n.status()["updates"] for n in nodes) >= 2, 120, "two rounds of A and B", 0.5)
             c = start("C", peers)

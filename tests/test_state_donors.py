@@ -14,41 +14,33 @@ import time
 import pytest
 
 from tests import netns
-from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, shown_on_failure, wait_until
-from tests.texts import shakespeare
+from tests.nodeproc import maddrs_on, new_run_id, shown_on_failure, start_in, wait_until
+from tests.test_lowcomm_catchup import sparse_args
 
 REASON = netns.unavailable_reason()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(REASON is not None,
                                                     reason=f"network namespaces unavailable: {REASON}")]
 
-P2P_PORT = 4100
 RATE_MBIT = 8  # the tiny model's state, 13 MB, takes about 7 s from two donors at this rate, 14 s from one
 KILL_AFTER_S = 2.0  # after C begins to download: B has sent C a few of its ranges
-INNER = 4
 DOWNLOADED = re.compile(r"Downloaded the state of epoch (\d+) in ranges from (\d+) donors .*ranges per donor: (.*)\)")
 
 
 @pytest.mark.timeout(300)
 def test_a_joiner_downloads_ranges_from_two_donors_and_finishes_from_one_when_the_other_dies(tmp_path):
-    text = tmp_path / "train.txt"
-    text.write_text(shakespeare(30_000))
-    args = ["--model-config", str(TINY_CONFIG), "--train-data", str(text), "--local-batch-size", "2",
-            "--local-seq-len", "32", "--sync", "low-comm", "--inner-steps", str(INNER), "--wire-codec", "sparse",
-            "--topk-fraction", "0.01", "--state-donors", "2", "--wait-for-peers", "2"]
+    args = [*sparse_args(tmp_path), "--state-donors", "2", "--wait-for-peers", "2"]
     run_id, nodes = new_run_id(), []
     with netns.Net() as net:
         hosts = {"A": net.host("a", rate_mbit=RATE_MBIT), "B": net.host("b", rate_mbit=RATE_MBIT), "C": net.host("c")}
 
         def start(name, peers=()):
-            node = NodeProcess(name, args, run_id, initial_peers=peers, netns=hosts[name],
-                               host_maddrs=f"/ip4/0.0.0.0/tcp/{P2P_PORT}")
-            nodes.append(node)
-            return node
+            nodes.append(start_in(hosts[name], name, args, run_id, peers))
+            return nodes[-1]
 
         with shown_on_failure(nodes):
             a = start("A")
             a.wait_ready()
-            peers = [m for m in a.status()["maddrs"] if m.startswith(f"/ip4/{hosts['A'].ip}/")]
+            peers = maddrs_on(a, hosts["A"])
             b = start("B", peers)
             b.wait_ready()
             # A and B start together (--wait-for-peers 2: neither trains alone); C joins once both serve the
