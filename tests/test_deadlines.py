@@ -7,7 +7,8 @@ import pytest
 
 from dtrain.node.config import SwarmConfig
 from dtrain.node.lowcomm import codec, sparse
-from dtrain.node.swarm.deadlines import DEADLINE_PEERS, RoundClock, round_sizes, swarm_deadlines
+from dtrain.node.swarm.deadlines import (DEADLINE_PEERS, STATE_BYTES_PER_ELEMENT, RoundClock, round_sizes,
+                                        swarm_deadlines)
 
 pytestmark = pytest.mark.unit
 
@@ -33,6 +34,16 @@ def test_the_first_deadline_is_the_link_s_in_low_comm_and_the_floor_in_per_step_
     assert deadlines.floor_s == 30.0  # the configured value stays the floor
     step, deadlines, _ = swarm_deadlines(SwarmConfig(sync="per-step", link_mbit=10.0, averaging_timeout_s=30.0), P)
     assert step.averaging_timeout_s == 30.0 and deadlines.link_mbit == 0.0  # --link-mbit is a low-comm rate
+
+
+def test_a_state_download_may_take_what_the_state_needs_at_the_link_rate():
+    low, _, _ = swarm_deadlines(SwarmConfig(link_mbit=10.0, load_state_timeout_s=120.0), P)
+    state = P * STATE_BYTES_PER_ELEMENT["low-comm"]  # parameters and outer momentum: 992 MB
+    assert low.load_state_timeout_s == pytest.approx(3.0 * state / 1.25e6) and low.load_state_timeout_s > 120.0
+    small, _, _ = swarm_deadlines(SwarmConfig(link_mbit=10.0, load_state_timeout_s=120.0), 1_000_000)
+    assert small.load_state_timeout_s == 120.0  # the configured bound is the floor
+    step, _, _ = swarm_deadlines(SwarmConfig(sync="per-step", link_mbit=10.0, load_state_timeout_s=120.0), P)
+    assert step.load_state_timeout_s == 120.0  # --link-mbit is a low-comm rate
 
 
 def test_the_clock_moves_the_deadline_with_measured_rounds_and_says_what_ran_out():

@@ -23,11 +23,14 @@ from hivemind.utils.mpfuture import MPFuture
 
 from dtrain.node.config import SwarmConfig
 from dtrain.node.lowcomm import codec as lowcomm_codec
-from dtrain.node.lowcomm.deadline import Deadline, RoundDeadlines
+from dtrain.node.lowcomm.deadline import Deadline, RoundDeadlines, round_deadline
 
 logger = get_logger(__name__)
 
 DEADLINE_PEERS = 4  # the group size a round's deadline is sized for
+# a state download's bytes per parameter: the parameters and the outer momentum (low-comm), or the parameters and
+# both Adam moments (per-step), in fp32
+STATE_BYTES_PER_ELEMENT = {"low-comm": 8.0, "per-step": 12.0}
 RETIME_WAIT_S = 10.0  # bound on an averager's process taking a new deadline (it answers between its own tasks)
 RETIME_MIN_CHANGE = 0.05  # a deadline that moved by less than this fraction is left as it is
 
@@ -56,16 +59,21 @@ def round_sizes(swarm: SwarmConfig, elements: int) -> RoundSizes:
 
 
 def swarm_deadlines(swarm: SwarmConfig, elements: int) -> tuple[SwarmConfig, RoundDeadlines, RoundSizes]:
-    """The swarm's config with the first round's deadline as its averaging timeout, the deadlines that follow and
-    the sizes they are computed from. --averaging-timeout is the floor; --link-mbit is a low-comm rate."""
+    """The swarm's config with the first round's deadline as its averaging timeout and a state download's bound as
+    its load timeout, the deadlines that follow and the sizes they are computed from. --averaging-timeout and the
+    load timeout are floors; --link-mbit is a low-comm rate. (A bound sized for loopback cut GPT-2 small's first
+    download, 1 GB over a 20 Mbit/s uplink, every 120 s, and it started over each time.)"""
     sizes = round_sizes(swarm, elements)
     link_mbit = swarm.link_mbit if swarm.sync == "low-comm" else 0.0
     deadlines = RoundDeadlines(sizes.deadline_bytes, swarm.averaging_timeout_s, link_mbit)
     first = deadlines.current()
+    download = round_deadline(elements * STATE_BYTES_PER_ELEMENT[swarm.sync], swarm.load_state_timeout_s, link_mbit)
     if swarm.sync == "low-comm":
         logger.info(f"low-comm: {swarm.inner_steps} inner updates per outer round, pseudo-gradient in "
-                    f"{sizes.what}; all-reduce deadline {first.seconds:.0f}s from {first.why}")
-    return dataclasses.replace(swarm, averaging_timeout_s=first.seconds), deadlines, sizes
+                    f"{sizes.what}; all-reduce deadline {first.seconds:.0f}s from {first.why}; a state download "
+                    f"may take {download.seconds:.0f}s, from {download.why}")
+    return (dataclasses.replace(swarm, averaging_timeout_s=first.seconds, load_state_timeout_s=download.seconds),
+            deadlines, sizes)
 
 
 class Retimable:

@@ -295,7 +295,7 @@ class TrainingNode:
             swarm.wait_for_progress(timeout_s=10.0)
             behind = self.agreement.saw(opt.tracker.global_epoch) > opt.local_epoch
             if restored is None or behind or not self._swarm_serves_my_bytes():
-                checked = self._join_download(cfg.swarm.load_state_timeout_s) is Download.CHECKED
+                checked = self._join_download(self.swarm_config.load_state_timeout_s) is Download.CHECKED
         if self.low_comm:
             fraction = cfg.swarm.topk_fraction if cfg.swarm.wire_codec == "sparse" else None
             self.rounds = InnerRounds(list(self.model.parameters()), inner, cfg.swarm.inner_steps, fraction,
