@@ -168,37 +168,21 @@ def test_a_member_frozen_mid_round_aborts_the_round_on_every_member(committing):
     test_a_complete_round_is_applied_by_every_member_as_the_average_of_all(committing)
 
 
-def test_a_member_slow_within_the_commit_window_does_not_abort_the_round():
+def test_a_member_slow_within_the_commit_window_does_not_abort_the_round(committing):
     """With the node's chunk timeout, the same freeze is a slow member, not a failed one: every member applies the
     average of all three. (hivemind's default, the matchmaking time, drops the member's parts as above.)"""
-    patient = dict(OPTS, next_chunk_timeout=chunk_timeout(OPTS["allreduce_timeout"]))
-    assert patient["next_chunk_timeout"] > FROZEN_S + 2
-    committing_class = freezable(CommittingGradientAverager)
-    with averagers(lambda i, owner: partial(committing_class, record_subkey=owner.subkey), **patient) as members:
-        for i, (result, values) in enumerate(run_round(members, freeze=True)):
-            assert applied(result), f"member {i}: {result}"
-            assert values == [2.0], f"member {i} was handed {values}, not the average over all three (2.0)"
-
-
-def test_a_committed_round_is_timed_and_a_new_deadline_reaches_the_averagers_processes(committing):
-    before = [averager.exchanges.read()[0] for _, averager in committing]
-    test_a_complete_round_is_applied_by_every_member_as_the_average_of_all(committing)
-    for (_, averager), count in zip(committing, before):
-        rounds, exchange_s = averager.exchanges.read()
-        assert rounds == count + 1 and 0.0 < exchange_s < OPTS["allreduce_timeout"]
-    # a deadline too short for 16 MB (its commit window closes 0.1 s into the exchange): every member runs out
+    bound, patient = OPTS["allreduce_timeout"], chunk_timeout(OPTS["allreduce_timeout"])
+    assert patient > FROZEN_S + 2
     for _, averager in committing:
-        averager.set_allreduce_timeout(1.6, OPTS["next_chunk_timeout"])
+        averager.set_allreduce_timeout(bound, patient)
     try:
-        outcomes = run_round(committing)
+        outcomes = run_round(committing, freeze=True)
     finally:
         for _, averager in committing:
-            averager.set_allreduce_timeout(OPTS["allreduce_timeout"], OPTS["next_chunk_timeout"])
-    for i, (result, _) in enumerate(outcomes):
-        assert (isinstance(result, AbortedRound) and result.ran_out) or isinstance(result, TimeoutError), \
-            f"member {i}: {result!r}"
-    assert [averager.exchanges.read()[0] for _, averager in committing] == [c + 1 for c in before]
-    test_a_complete_round_is_applied_by_every_member_as_the_average_of_all(committing)
+            averager.set_allreduce_timeout(bound, OPTS["next_chunk_timeout"])
+    for i, (result, values) in enumerate(outcomes):
+        assert applied(result), f"member {i}: {result}"
+        assert values == [2.0], f"member {i} was handed {values}, not the average over all three (2.0)"
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="hivemind's own averager hands members partial averages: what node.commit "
