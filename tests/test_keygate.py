@@ -19,7 +19,7 @@ from hivemind.utils.streaming import combine_from_streaming
 
 from dtrain.node.swarm import reachability as r
 from dtrain.node.swarm.keygate import NONCE_BYTES, add_prover, proof, start_prover
-from dtrain.node.swarm.optimizer import SwarmStateAverager
+from dtrain.node.swarm.state import SwarmStateAverager
 from dtrain.node.swarm.records import RecordOwner
 from dtrain.node.swarm.swarmkey import SwarmKeyAuthorizer
 

@@ -1,4 +1,4 @@
-"""What a low-comm node hands a downloading peer (node.swarm.optimizer.ServedState), on a real hivemind state
+"""What a low-comm node hands a downloading peer (node.swarm.state.ServedState), on a real hivemind state
 averager on 127.0.0.1 called through its download RPC: the served snapshot's parameters and the outer momentum of
 their epoch, whatever the inner updates did to the live parameters; nothing while the outer state is not the
 snapshot's, and the next snapshot once it is published."""
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dtrain.node.lowcomm.outer import OuterNesterov
-from dtrain.node.swarm import optimizer as swarm_optimizer
-from dtrain.node.swarm.optimizer import ServedState, SwarmStateAverager
+from dtrain.node.swarm import state as swarm_state
+from dtrain.node.swarm.state import ServedState, SwarmStateAverager
 from tests.test_keygate import LOCAL, PREFIX, download_as_stranger
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
@@ -21,7 +21,7 @@ ANCHOR = np.arange(10, dtype=np.float32)
 
 @pytest.fixture
 def node(monkeypatch):
-    monkeypatch.setattr(swarm_optimizer, "SERVED_WAIT_S", 0.5)
+    monkeypatch.setattr(swarm_state, "SERVED_WAIT_S", 0.5)
     dht = hivemind.DHT(host_maddrs=LOCAL, start=True)
     param = torch.nn.Parameter(torch.from_numpy(ANCHOR.copy()))
     averager = SwarmStateAverager(swarm_key=None, dht=dht, prefix=PREFIX, optimizer=OuterNesterov, params=[param],

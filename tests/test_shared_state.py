@@ -1,4 +1,4 @@
-"""The parameters and the optimizer's state stay in shared memory (node.swarm.optimizer.keep_state_shared), so
+"""The parameters and the optimizer's state stay in shared memory (node.swarm.state.keep_state_shared), so
 handing them to a downloading peer never moves a tensor the training thread is using: after the start, every step
 and every load, pickling them for a pipe (as hivemind does) leaves every tensor's memory where it was."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dtrain.node.lowcomm.outer import OuterNesterov
-from dtrain.node.swarm.optimizer import keep_state_shared
+from dtrain.node.swarm.state import keep_state_shared
 
 pytestmark = pytest.mark.unit
 

@@ -27,7 +27,7 @@ class OuterNesterov(torch.optim.Optimizer):
             for p in group["params"]:
                 self.state[p] = {"momentum_buffer": torch.zeros_like(p)}
         # even while the state is still, odd while a step or a load writes it: a reader that saw one even version
-        # before and after its copy has one moment's momentum (node.swarm.optimizer.ServedState)
+        # before and after its copy has one moment's momentum (node.swarm.state.ServedState)
         self.version = 0
         self.register_load_state_dict_pre_hook(lambda *_: self._bump())
         self.register_load_state_dict_post_hook(lambda *_: self._bump())

@@ -122,7 +122,7 @@ class CommittingGradientAverager(Retimable, KeyGatedServicer, GradientAverager):
         self.record_subkey = record_subkey
         self.exchanges = ExchangeClock()  # before the process starts: it shares the memory
         # The round averages the .grad buffers themselves (P less than a buffer of its own): they are hivemind's
-        # accumulators already (reuse_grad_buffers) and in shared memory (node.swarm.optimizer.keep_state_shared).
+        # accumulators already (reuse_grad_buffers) and in shared memory (node.swarm.state.keep_state_shared).
         # The node writes every .grad in full before each step (its exact gradient, or the low-comm offer), and
         # loads its own gradient into them whenever a round is not applied, so a round that fails halfway leaves
         # nothing behind; `reset_accumulated_grads_` leaves them alone (zeroing them would zero the round's input).

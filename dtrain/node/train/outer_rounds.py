@@ -56,7 +56,7 @@ class OuterRoundLoop:
     def _inner_step(self) -> None:
         node = self.node
         if node.gradient.undrained_samples:
-            # a peer's download gets the served snapshot, never these parameters (node.swarm.optimizer.ServedState)
+            # a peer's download gets the served snapshot, never these parameters (node.swarm.state.ServedState)
             node.rounds.inner_step(node.gradient.drain())
 
     def _step(self) -> None:

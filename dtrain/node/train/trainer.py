@@ -42,8 +42,8 @@ from dtrain.node.train.reference import ReferenceConfig, ReferenceSource
 from dtrain.node.train.robust import RobustAggregator, RobustConfig, all_finite, optimizer_state_tensors
 from dtrain.node.snapshot import Snapshot, make_snapshot, params_digest
 from dtrain.node.swarm.deadlines import RoundClock, swarm_deadlines
-from dtrain.node.swarm.optimizer import (SHUTDOWN_TIMEOUT_S, ServedState, Swarm, keep_state_shared,
-                                         make_local_optimizer, regroup_state_dict)
+from dtrain.node.swarm.optimizer import SHUTDOWN_TIMEOUT_S, Swarm, make_local_optimizer, regroup_state_dict
+from dtrain.node.swarm.state import ServedState, keep_state_shared
 
 logger = get_logger(__name__)
 
@@ -632,7 +632,7 @@ class TrainingNode:
 
     def _sync_sharing(self) -> None:
         """Low-comm: a node shares its state between rounds too: a download gets the served snapshot's parameters
-        and the outer state of their epoch, never the inner updates' parameters (node.swarm.optimizer.ServedState)."""
+        and the outer state of their epoch, never the inner updates' parameters (node.swarm.state.ServedState)."""
         self._share_state()
 
     def _share_state(self) -> None:
