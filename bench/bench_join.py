@@ -3,11 +3,12 @@ hivemind, or in ranges from 1 or 2 donors at once (--state-donors, node.lowcomm.
 
 Two donors, A and B, each in a network namespace whose link is shaped to --donor-mbit both ways (tbf, tests/netns.py:
 a home uplink); they hold the same state and do not train, so every joiner downloads the same bytes and the time
-is the transfer's. Each joiner is a fresh node in a namespace of its own, its link shaped to each of
---joiner-mbit (unlimited: a home downlink well above the donors' uplinks). A row's time runs from the joiner's first
-download line in its log to the first step it serves (the download, its checks and the first snapshot); a joiner is
-killed after its row, and the next one starts once its records have expired. This kernel has no netem: no delay or
-loss is emulated, only bandwidth.
+is the transfer's. Each joiner is a fresh node in a namespace of its own, built with another seed (a joiner that
+built the swarm's start itself takes no download), its link shaped to each of --joiner-mbit (unlimited: a home
+downlink well above the donors' uplinks). A row's time runs from the joiner's first download line in its log to the
+first step it serves (the download, its checks and the first snapshot); a joiner is killed after its row, and the
+next one starts once its records have expired. This kernel has no netem: no delay or loss is emulated, only
+bandwidth.
 
 Runs as root (namespaces), under the heavy lock:
     flock /tmp/dtrain-heavy.lock .venv/bin/python bench/bench_join.py --model-config dtrain/static/model_config.json
@@ -15,8 +16,10 @@ Runs as root (namespaces), under the heavy lock:
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
+import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -53,6 +56,9 @@ def main() -> None:
     model = ["--model-config", str(args.model_config)]
     common = [*model, "--state-donors", "2", *NODE_TIMEOUTS]  # the donors serve ranges
     rows = []
+    config = json.loads(args.model_config.read_text())
+    other_seed = Path(tempfile.mkdtemp(prefix="bench-join-")) / args.model_config.name
+    other_seed.write_text(json.dumps({**config, "seed": config.get("seed", 1234) + 1}))
     with Net() as net:
         a_host, b_host = (net.host(n, rate_mbit=args.donor_mbit) for n in ("a", "b"))
         run_id, donors = new_run_id(), []
@@ -69,7 +75,7 @@ def main() -> None:
                                                  for w in args.ways.split(",")):
                 rate = None if rate_name == "unlimited" else float(rate_name)
                 host = net.host(f"j{i}", rate_mbit=rate)
-                argv = [*model, "--state-donors", str(WAYS[way]), *NODE_TIMEOUTS]
+                argv = ["--model-config", str(other_seed), "--state-donors", str(WAYS[way]), *NODE_TIMEOUTS]
                 joiner = NodeProcess(f"J{i}", argv, run_id, initial_peers=peers, netns=host,
                                      host_maddrs=f"/ip4/{host.ip}/tcp/0")
                 try:

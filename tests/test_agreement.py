@@ -126,3 +126,30 @@ def test_a_joiner_that_saw_the_swarm_ahead_never_takes_the_seeded_model_for_its_
         assert joiner.opt.tracker.global_epoch == 0 and params_digest(joiner.model) == seeded
     finally:
         joiner.shutdown()
+
+
+def test_a_joiner_holds_the_swarm_start_only_with_its_bytes_and_hyperparameters():
+    """At epoch 0 a joiner's own state is the swarm's when the peers' record of epoch 0 has its parameters' digest and
+    its optimizer's hyperparameters (a download would carry them): it then takes no download. No record within the
+    bound, another seed, or another learning rate: it downloads."""
+    run_id = new_run_id()
+    founder = Peer(run_id, epoch=0)
+    joiner = Peer(run_id, initial_peers=founder.swarm.maddrs, epoch=0)
+    try:
+        seeded = params_digest(joiner.model)
+        assert seeded == params_digest(founder.model)  # one config, one seed: the same start
+        assert not joiner.agreement.holds_swarm_start(seeded, wait_s=1.0)  # nobody published epoch 0 yet
+        founder.agreement.vouch(founder.snapshot())  # as a founder does when it starts
+        assert joiner.agreement.holds_swarm_start(seeded, wait_s=10.0)
+        group = joiner.opt.state_averager.optimizer.param_groups[0]
+        lr = group["lr"]
+        group["lr"] = 2 * lr
+        assert not joiner.agreement.holds_swarm_start(seeded, wait_s=10.0)
+        group["lr"] = lr
+        with torch.no_grad():  # another seed's weights
+            next(joiner.model.parameters()).add_(1e-3)
+        assert not joiner.agreement.holds_swarm_start(params_digest(joiner.model), wait_s=10.0)
+        assert joiner.agreement.holds_swarm_start(seeded, wait_s=10.0)  # the same record, the start's bytes
+    finally:
+        joiner.shutdown()
+        founder.shutdown()

@@ -65,6 +65,7 @@ def test_a_swarm_from_a_checkpoint_serves_it_and_exports_it(tmp_path):
         nodes.append(b)
         b.wait_ready()
         assert b.status()["params_sha256"] == a.status()["params_sha256"]  # the swarm's state, not its own
+        assert b.status()["first_state"] == "download"  # at epoch 0 too: its own start is not the swarm's
 
         out = subprocess.run([sys.executable, "-m", "dtrain.clients.export", "--node", a.url, "--out",
                               str(tmp_path / "exported")], cwd=REPO, capture_output=True, text=True, timeout=120)

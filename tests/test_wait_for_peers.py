@@ -31,6 +31,10 @@ def test_a_founder_waits_for_its_peer_then_both_train_from_the_first_state(tmp_p
         nodes.append(NodeProcess("B", args, run_id, initial_peers=maddrs))
         nodes[1].wait_ready()
         assert "(epoch 0)" in nodes[1].output()  # the founder had made no update: one start for both
+        # which B built itself: no download, the founder's bytes
+        assert nodes[1].status()["first_state"] == "own state", nodes[1].status()
+        assert "Loading the swarm's parameters" not in nodes[1].output()
+        assert nodes[1].digests()[1] == nodes[0].digests()[1]
         wait_until(lambda: min(n.status()["updates"] for n in nodes) >= 2, 120, "two updates of the pair", 0.5)
         for node in nodes:
             assert "2 nodes in the swarm (--wait-for-peers 2): training on local data starts" in node.output()

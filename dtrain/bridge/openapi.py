@@ -265,6 +265,10 @@ def _schemas() -> dict:
             "closed": {"type": "boolean", "description": "a closed swarm (--swarm-key): only peers that hold the key "
                        "can join; open otherwise (docs/peers.md)"},
             "sync": {"enum": ["per-step", "low-comm"]},
+            "first_state": {"enum": ["founder", "checkpoint", "own state", "download"], "description": "how the "
+                            "state of the node's first served step came: it started the swarm, its checkpoint held "
+                            "the swarm's bytes, it built the swarm's start itself (a joiner at epoch 0: no "
+                            "download), or a download from peers"},
             "device": {"type": "object", "description": "where forward and backward passes run (--device); the "
                        "fp32 master weights stay on the CPU", "properties": {
                 "device": string, "name": string, "precision": {"enum": ["fp32", "bf16 autocast"]}}},

@@ -23,6 +23,8 @@ and a state downloaded from a peer inside an update can be torn.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 import time
 from dataclasses import dataclass
@@ -59,19 +61,21 @@ class Record:
     clean: bool = False  # its gradient round completed
     served: bool = False  # it serves these bytes
     client: bool = False  # a client-mode peer's: nobody can download its state
+    hparams: str = ""  # hyperparameters_digest of its optimizer: a download carries them too ("": not said)
 
     @classmethod
     def parse(cls, raw: Mapping) -> Optional["Record"]:
         try:
             return cls(digest=str(raw["digest"]), priority=float(raw["priority"]),
                        group=tuple(str(p) for p in raw.get("group", ())), clean=bool(raw.get("clean", False)),
-                       served=bool(raw.get("served", False)), client=bool(raw.get("client", False)))
+                       served=bool(raw.get("served", False)), client=bool(raw.get("client", False)),
+                       hparams=str(raw.get("hparams", "")))
         except (KeyError, TypeError, ValueError):
             return None
 
     def as_dict(self) -> dict:
         return dict(digest=self.digest, priority=self.priority, group=list(self.group), clean=self.clean,
-                    served=self.served, client=self.client)
+                    served=self.served, client=self.client, hparams=self.hparams)
 
 
 class Download(Enum):
@@ -89,6 +93,16 @@ class Verdict:
     snapshot: Optional[Snapshot]  # None: the model holds bytes nobody vouched for; keep serving the last step
     included: bool  # the update the swarm serves holds this peer's gradient
     reference: str  # the peer whose bytes the swarm serves
+
+
+def hyperparameters_digest(optimizer: torch.optim.Optimizer) -> str:
+    """The sha256 of what a state download carries besides tensors: the optimizer's hyperparameters (every key of
+    every parameter group but its parameters, and how many parameters the group holds). hivemind's download loads
+    them with the state (`load_optimizer_state`), so a node whose parameters are the swarm's but whose learning rate
+    is not would not hold the state a download gives it."""
+    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": len(group["params"])}
+              for group in optimizer.param_groups]
+    return hashlib.sha256(json.dumps(groups, sort_keys=True, default=repr).encode()).hexdigest()
 
 
 def reference_of(records: Mapping[str, Record]) -> Optional[tuple[str, Record]]:
@@ -146,11 +160,15 @@ class Agreement:
             del self._records[old]
         dht_records.store(self.dht, self._key(epoch), self.owner, record.as_dict())
 
+    @property
+    def hparams(self) -> str:
+        return hyperparameters_digest(self.optimizer.state_averager.optimizer)
+
     def vouch(self, snap: Snapshot) -> None:
         """Publish state this peer loaded and checked, or restored: a served record of its epoch, never a
         reference over a peer that made the update."""
         self._publish(snap.updates, Record(snap.digest, priority=float(snap.updates), served=True,
-                                                  client=self.client))
+                                           client=self.client, hparams=self.hparams))
 
     def keep_alive(self) -> None:
         """Refresh this peer's latest records (records expire after dht_records.RECORD_TTL_S), at most every
@@ -230,6 +248,29 @@ class Agreement:
             return Download.CHECKED
         return self.load_state_from_peers()
 
+    def holds_swarm_start(self, digest: str, wait_s: float) -> bool:
+        """A joiner of a swarm still at epoch 0 that built the swarm's start itself needs no download: True when the
+        bytes the peers serve for epoch 0 (the reference of its records) are `digest`, with this node's optimizer
+        hyperparameters. The rest of what a download carries is the optimizer's state, which no step has touched
+        at epoch 0 on any node (AdamW's zero moments and step, the outer momentum's zeros: node.swarm.optimizer,
+        node.lowcomm.outer), so it is this node's own. False when they differ, or when no peer publishes a record
+        of epoch 0 within `wait_s` (then the joiner downloads: its own seed is no proof of the swarm's start)."""
+        deadline = time.monotonic() + wait_s
+        while not (published := self._others(0)):
+            if time.monotonic() >= deadline or self._stop.wait(0.2):
+                logger.info(f"No peer published the swarm's start within {wait_s:.0f}s")
+                return False
+        peer, start = reference_of(published)
+        if start.digest != digest:
+            logger.info(f"The swarm's start (peer {peer}'s epoch 0, sha256 {start.digest}) is not this node's "
+                        f"(sha256 {digest})")
+            return False
+        if start.hparams != self.hparams:
+            logger.info(f"The swarm's start (peer {peer}'s epoch 0) has this node's parameters, but another "
+                        f"optimizer's hyperparameters")
+            return False
+        return True
+
     def is_epoch_zero(self, digest: str) -> bool:
         """The swarm's start: what its founder published for epoch 0 (a swarm started --init-from a checkpoint), or,
         when no one did, the seeded model every node builds alike."""
@@ -245,7 +286,7 @@ class Agreement:
         round failed waits for nobody: a served record outranks any later one, so later updaters follow it."""
         epoch = snap.updates
         mine = Record(snap.digest, self.optimizer.state_averager.state_sharing_priority,
-                      group=outcome.group, clean=outcome.clean, client=self.client)
+                      group=outcome.group, clean=outcome.clean, client=self.client, hparams=self.hparams)
         self._publish(epoch, mine)
         waiting_for = set(outcome.group) - {self.peer_id} if outcome.clean else set()
         deadline = time.monotonic() + self.group_wait_s
@@ -285,7 +326,8 @@ class Agreement:
             snap = make_snapshot(self.model, self.optimizer.local_epoch)  # the reference's, or a later served state
         if snap.updates == epoch:
             self._publish(epoch, Record(snap.digest, self.optimizer.state_averager.state_sharing_priority,
-                                        group=mine.group, clean=mine.clean, served=True, client=self.client))
+                                        group=mine.group, clean=mine.clean, served=True, client=self.client,
+                                        hparams=self.hparams))
         return Verdict(snap, included, reference_peer)
 
     def recheck(self, snap: Snapshot, force: bool = False) -> Snapshot:

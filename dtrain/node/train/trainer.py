@@ -48,6 +48,9 @@ from dtrain.node.swarm.state import ServedState, keep_state_shared
 logger = get_logger(__name__)
 
 POLL_S = 0.25  # how long an idle training thread sleeps unless a hand-over wakes it
+# how long a joiner of a swarm at epoch 0 looks for the peers' record of its start before it downloads it: the
+# founder's is in the DHT from its start and refreshed every few seconds (node.swarm.agreement.KEEP_ALIVE_S)
+START_RECORD_WAIT_S = 10.0
 
 
 class NodeStopped(RuntimeError):
@@ -85,6 +88,10 @@ class NodeStatus:
     sync: str = "per-step"  # how the swarm syncs: per-step or low-comm (docs/low-communication.md)
     wire_codec: Optional[str] = None  # low-comm: fp16, fp32 or sparse
     device: Optional[dict] = None  # node.device.Device.as_dict(): where passes run (cpu, cuda:N) and at what precision
+    # how the state of the node's first served step came: "founder" (it started the swarm), "checkpoint" (its
+    # --checkpoint-dir held the swarm's bytes), "own state" (a joiner at epoch 0 that built the swarm's start
+    # itself: no download), "download" (from peers)
+    first_state: str = ""
 
 
 class TrainingNode:
@@ -139,6 +146,7 @@ class TrainingNode:
         self._update_listeners: list[Callable[[float], None]] = []
         self._last_update_s = 0.0
         self._last_checkpoint_epoch = 0
+        self._first_state = ""  # how the state of its first served step came (NodeStatus.first_state)
         self._unverified = False  # the model holds downloaded bytes the swarm disagrees with: catch up, never serve
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by the pool when a hand-over is ready
@@ -243,6 +251,7 @@ class TrainingNode:
             wire_codec=self.config.swarm.wire_codec if self.low_comm else None,
             scored_out=self.ledger.summary().scored_out,
             device=self.device.as_dict(),
+            first_state=self._first_state,
         )
 
     # ---- joining -------------------------------------------------------------------------------------------
@@ -290,12 +299,19 @@ class TrainingNode:
 
         checked = restored is not None  # bytes this node may vouch for: a checkpoint, or a checked download
         founder = not cfg.swarm.initial_peers
+        self._first_state = "founder" if founder else "checkpoint"
         if not founder:
             self._check_swarm_model()
             swarm.wait_for_progress(timeout_s=10.0)
             behind = self.agreement.saw(opt.tracker.global_epoch) > opt.local_epoch
-            if restored is None or behind or not self._swarm_serves_my_bytes():
+            if restored is None and not behind and self.agreement.holds_swarm_start(seed_digest, START_RECORD_WAIT_S):
+                # every node builds the same seeded (or --init-from) model: at epoch 0 a download would bring the
+                # bytes it holds. A swarm that moved on meanwhile is caught up with like any node behind (_catch_up)
+                self._first_state = "own state"
+                logger.info(f"This node's state is the swarm's start (epoch 0, sha256 {seed_digest}): no download")
+            elif restored is None or behind or not self._swarm_serves_my_bytes():
                 checked = self._join_download(self.swarm_config.load_state_timeout_s) is Download.CHECKED
+                self._first_state = "download"
         if self.low_comm:
             fraction = cfg.swarm.topk_fraction if cfg.swarm.wire_codec == "sparse" else None
             self.rounds = InnerRounds(list(self.model.parameters()), inner, cfg.swarm.inner_steps, fraction,
@@ -306,8 +322,9 @@ class TrainingNode:
                 if cfg.swarm.state_donors > 0 and not swarm.client_mode:  # nobody can dial a client-mode peer
                     self.donor = RangeDonor(self.total_params, swarm.service)
         snap = make_snapshot(self.model, opt.local_epoch)
-        if (checked and snap.updates > 0) or (founder and snap.updates == 0):
-            # a founder's epoch 0 is the swarm's start, which a joiner cannot rebuild when it was imported
+        if (checked and snap.updates > 0) or (snap.updates == 0 and self._first_state in ("founder", "own state")):
+            # a founder's epoch 0 is the swarm's start, which a joiner cannot rebuild when it was imported; a joiner
+            # that holds it checked it against the founder's record (and is a donor of it: --state-donors)
             self.agreement.vouch(snap)
         self._publish(snap)
         if self.rounds is not None and restored is not None and restored.round is not None:
