@@ -16,7 +16,8 @@ the hosts behind it; it forwards and masquerades lan -> wan and lets back in onl
 router). Because every address is inside these namespaces, fixed subnets never collide with another run's or the
 machine's own.
 
-Rates: `rate_mbit` puts a tbf qdisc on both ends of a host's veth, so upload and download are limited each to it.
+Rates: `rate_mbit` puts a tbf qdisc on both ends of a host's veth, so upload and download are limited each to it;
+`net.limit(host, rate_mbit)` does the same later to a host made without one.
 
 Names: every namespace is `dtn-<pid>-<tag>-<role>`. A `Net` removes its namespaces, and kills the processes it left
 in them, on exit (also on an exception); `reap()` (run at every `Net()` start, and by `python -m tests.netns`)
@@ -168,6 +169,7 @@ class Namespace:
     net: "Net" = field(repr=False)
     ns: str = ""  # the namespace's name (ip netns)
     ip: str = ""  # its address on the segment or its home network ("" for the segment itself)
+    port: tuple[str, str] = ()  # a host's veth's other end: (the switch's namespace, the port's name)
 
     def cmd(self, argv: Sequence[str]) -> list[str]:
         """`argv` prefixed to run inside the namespace."""
@@ -277,8 +279,9 @@ class Net:
         self._next_port += 1
         return f"p{self._next_port}"
 
-    def _plug(self, ns: str, ifname: str, switch_ns: str, switch: str, rate_mbit: Optional[float]) -> None:
-        """A veth from `ns` (named `ifname` there) to a new port of bridge `switch` in `switch_ns`."""
+    def _plug(self, ns: str, ifname: str, switch_ns: str, switch: str, rate_mbit: Optional[float]) -> str:
+        """A veth from `ns` (named `ifname` there) to a new port of bridge `switch` in `switch_ns`; returns the
+        port's name."""
         port = self._port()
         _ip("link", "add", ifname, "netns", ns, "type", "veth", "peer", "name", port, "netns", switch_ns)
         _ip("-n", switch_ns, "link", "set", port, "master", switch, "up")
@@ -286,6 +289,7 @@ class Net:
         if rate_mbit is not None:
             self._limit(ns, ifname, rate_mbit)      # upload
             self._limit(switch_ns, port, rate_mbit)  # download
+        return port
 
     @staticmethod
     def _limit(ns: str, dev: str, rate_mbit: float) -> None:
@@ -306,15 +310,21 @@ class Net:
             self._next_host += 1
             if self._next_host >= 200:
                 raise NetnsError("no more segment addresses")
-            self._plug(ns, "eth0", wan.ns, "br0", rate_mbit)
+            port = (wan.ns, self._plug(ns, "eth0", wan.ns, "br0", rate_mbit))
             _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
         else:
             ip = f"{behind.lan_subnet}.{behind._next_host}"
             behind._next_host += 1
-            self._plug(ns, "eth0", behind.ns, "lan0", rate_mbit)
+            port = (behind.ns, self._plug(ns, "eth0", behind.ns, "lan0", rate_mbit))
             _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
             _ip("-n", ns, "route", "add", "default", "via", f"{behind.lan_subnet}.1")
-        return Namespace(self, ns, ip)
+        return Namespace(self, ns, ip, port)
+
+    def limit(self, host: Namespace, rate_mbit: float) -> None:
+        """Shape the link of `host`, made without a rate, to `rate_mbit` both ways from now on."""
+        switch_ns, port = host.port
+        self._limit(host.ns, "eth0", rate_mbit)
+        self._limit(switch_ns, port, rate_mbit)
 
     def nat_router(self, name: str = "nat") -> Router:
         """A home router on the segment: hosts behind it (`host(..., behind=router)`) reach the segment with the
