@@ -4,12 +4,13 @@ gradient is in the bytes it serves."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
 
 from dtrain.node.swarm import optimizer as swarm
-from dtrain.node.swarm.agreement import Agreement, Download
+from dtrain.node.swarm.agreement import KEEP_EPOCHS, Agreement, Download
 from dtrain.node.config import ModelConfig, SwarmConfig, TrainConfig
 from dtrain.node.model import build_model
 from dtrain.node.snapshot import make_snapshot, params_digest
@@ -109,6 +110,23 @@ def test_a_failed_download_is_not_confirmed_by_the_own_record(peers):
     reference.shutdown()  # the download finds no peer and leaves `other` with its own bytes
     assert other.agreement.load_state_from_peers() is Download.UNCHECKED  # nobody else published: unconfirmed
     assert params_digest(other.model) == other_snap.digest
+
+
+def test_the_wait_for_a_downloads_records_ends_once_the_swarm_is_seen_past_their_keeping(peers):
+    """A download labelled with an epoch nobody published is kept unchecked. Its wait for the records ends when the
+    swarm is seen KEEP_EPOCHS past that epoch (the peers keep no records that old), not at the wait's deadline: a
+    joiner over a slow link, whose view of the swarm was held up by its own download, waited out the whole deadline
+    for records that were gone."""
+    reference, other = peers
+    reference.shutdown()  # the download finds no peer and leaves `other` with bytes of EPOCH nobody published
+    seen = threading.Timer(1.0, other.agreement.saw, args=(EPOCH + KEEP_EPOCHS,))  # the tracker catches up
+    seen.start()
+    started = time.monotonic()
+    try:
+        assert other.agreement.load_state_from_peers() is Download.UNCHECKED
+        assert time.monotonic() - started < other.agreement.wait_s
+    finally:
+        seen.cancel()
 
 
 def test_a_joiner_that_saw_the_swarm_ahead_never_takes_the_seeded_model_for_its_state():

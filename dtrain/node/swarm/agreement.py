@@ -219,10 +219,12 @@ class Agreement:
                             f"or it was not the swarm's start); loading again")
                 continue
             # the peers may still be finishing this update; an older one's records are gone (peers keep their
-            # last KEEP_EPOCHS alive), and waiting for them only leaves a slow joiner further behind
-            recent = epoch > self.saw(opt.tracker.global_epoch) - KEEP_EPOCHS
-            deadline = time.monotonic() + (self.wait_s if recent else 0.0)
-            while not (published := self._others(epoch)) and time.monotonic() < deadline:
+            # last KEEP_EPOCHS alive), and waiting for them only leaves a slow joiner further behind. Looked at on
+            # every turn: a download that filled a slow link held up the tracker's view of the swarm too, which
+            # catches up a second or two after it
+            deadline = time.monotonic() + self.wait_s
+            while not (published := self._others(epoch)) and time.monotonic() < deadline and \
+                    epoch > self.saw(opt.tracker.global_epoch) - KEEP_EPOCHS:
                 if self._stop.wait(0.1):
                     return Download.REFUSED
             if _is_reference(published, digest):
