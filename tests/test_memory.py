@@ -1,5 +1,7 @@
+import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -34,3 +36,68 @@ def test_shared_zeros_take_memory_only_where_touched():
     assert rss_kib() - before < 64 << 10  # a page here and there, not the whole
     z[: 16 << 20].fill_(1.0)
     assert rss_kib() - before >= 60 << 10
+
+
+def _shmem_kib() -> int:
+    """Shared memory this process maps and has pages of (RssShmem: /dev/shm files, torch's shared tensors)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssShmem:"))
+
+
+@pytest.fixture(params=["file_system", "file_descriptor"])
+def sharing(request):
+    """torch's two ways to share memory: file_system (hivemind sets it on import: a node's tensors) puts a header
+    before the data, so a storage's bytes begin 64 bytes into its first page; file_descriptor's begin at a page."""
+    before = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy(request.param)
+    yield request.param
+    torch.multiprocessing.set_sharing_strategy(before)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_REMOVE) on tmpfs")
+def test_release_hands_shared_pages_back_in_every_process_that_maps_them(sharing):
+    t = memory.shared_zeros(32 << 20)  # 128 MiB, a shared file of its own
+    whole_pages = (128 << 20) - (4096 if t.data_ptr() % 4096 else 0)  # a first page shared with the header stays
+    assert (t.data_ptr() % 4096 == 0) == (sharing == "file_descriptor")
+    t.fill_(1.0)
+    address = t.data_ptr()
+    reader, writer = os.pipe()
+    go_r, go_w = os.pipe()
+    child = os.fork()
+    if child == 0:  # maps the same file (as hivemind's forked averager does); reads it once the parent released it
+        try:
+            os.read(go_r, 1)
+            view = t.numpy()  # numpy: no torch thread pool in a forked child
+            os.write(writer, b"z" if np.count_nonzero(view) == 0 else b"x")
+        finally:
+            os._exit(0)
+    try:
+        before = _shmem_kib()
+        released = memory.release([t])
+        assert released == whole_pages
+        assert before - _shmem_kib() >= (whole_pages >> 10) - 1024  # the pages are gone, not just zeroed
+        assert t.data_ptr() == address and t.is_shared() and not t.any()
+    finally:
+        os.write(go_w, b"g")
+        answer = os.read(reader, 1)
+        os.waitpid(child, 0)
+    assert answer == b"z"  # the other process reads zeros too
+    t[:1024].fill_(2.0)  # the next write takes pages again, where it writes
+    assert t[:1024].eq(2.0).all() and not t[1024:].any()
+
+
+def test_release_of_part_of_a_shared_storage_leaves_its_neighbours():
+    page = 4096 // 4
+    t = memory.shared_zeros(8 * page)
+    t.fill_(3.0)
+    part = t[100: 100 + 5 * page]  # begins and ends inside a page: the 4 whole pages go, the edges are zeroed
+    assert memory.release([part]) == 4 * 4096
+    assert not part.any()
+    assert t[:100].eq(3.0).all() and t[100 + 5 * page:].eq(3.0).all()
+
+
+def test_release_zeroes_private_tensors_where_they_are():
+    t = torch.ones(1 << 20)
+    strided = memory.shared_zeros(1 << 20)[::2].fill_(1.0)  # not contiguous
+    assert memory.release([t, strided]) == 0
+    assert not t.any() and not strided.any()

@@ -12,17 +12,25 @@ glibc keeps freed blocks below its mmap threshold in its heap, and raises that t
 larger block is freed: every tensor of GPT-2 small but the embeddings then stayed in the heap once freed, and a
 transient copy of the model stayed resident for good. `cap_mmap_threshold` pins it, so blocks of 1 MiB or more are
 mapped and unmapped on their own.
+
+A buffer that every use overwrites whole first (a low-comm node's gradient buffers between its updates) need hold no
+memory meanwhile: `release` hands its pages back in place. The tensor keeps its object and address, and every process
+that maps the same shared memory (hivemind's averager holds the node's gradient buffers) reads zeros there, which
+take no page until touched again (tmpfs gives a page on a read of a hole as well as on a write: a released buffer
+must not be read before it is written).
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 from typing import Iterable, Optional
 
 import torch
 
 MMAP_THRESHOLD_BYTES = 1 << 20  # blocks at least this large are their own mappings, returned to the system on free
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+_MADV_REMOVE = 9  # madvise's advice number (linux/mman.h): free the range and its backing store (a hole in tmpfs)
 
 
 def _libc() -> Optional[ctypes.CDLL]:
@@ -33,7 +41,10 @@ def _libc() -> Optional[ctypes.CDLL]:
         libc = ctypes.CDLL(name)
     except OSError:
         return None
-    return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None  # glibc only
+    if not (hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") and hasattr(libc, "madvise")):
+        return None  # glibc only
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 def trim() -> bool:
@@ -58,8 +69,34 @@ def share(tensors: Iterable[torch.Tensor]) -> None:
 
 def shared_zeros(elements: int) -> torch.Tensor:
     """A flat float32 tensor of zeros in shared memory, made there: a new shared file reads as zeros and takes memory
-    only for the pages touched (a joiner's gradient buffers hold none while it downloads), with no private copy on
+    only for the pages touched (read or written) (a joiner's gradient buffers hold none while it downloads), with no private copy on
     the way."""
     n = int(elements)
     storage = torch.UntypedStorage._new_shared(4 * n)  # torch's own shared-memory allocation (share_memory_ uses it)
     return torch.empty(0).set_(storage, 0, (n,), (1,))
+
+
+def release(tensors: Iterable[torch.Tensor]) -> int:
+    """Make each tensor read zeros, handing its memory back where it can; returns the bytes handed back.
+
+    A contiguous CPU tensor in shared memory (torch's, a file in /dev/shm: tmpfs) loses the pages that lie wholly
+    inside its bytes (madvise MADV_REMOVE: a hole in the file, in every process that maps it) and has the bytes of
+    its first and last partial page zeroed. Any other tensor (private memory, a view with gaps, a GPU tensor, a system
+    without glibc) is zeroed where it is and keeps its memory: 0 bytes for it."""
+    libc = _libc()
+    page = mmap.PAGESIZE
+    released = 0
+    with torch.no_grad():
+        for t in tensors:
+            flat = t.view(-1) if t.is_contiguous() else None
+            start = t.data_ptr()
+            end = start + t.numel() * t.element_size()
+            first, last = -(-start // page) * page, end // page * page  # the whole pages inside [start, end)
+            if (libc is None or flat is None or t.device.type != "cpu" or not t.is_shared() or last <= first
+                    or (first - start) % t.element_size() or libc.madvise(first, last - first, _MADV_REMOVE) != 0):
+                t.zero_()
+                continue
+            released += last - first
+            flat[: (first - start) // t.element_size()].zero_()
+            flat[(last - start) // t.element_size():].zero_()
+    return released
