@@ -7,6 +7,7 @@ import pytest
 import torch
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor, serialize_torch_tensor
 
+from dtrain.node import memory
 from dtrain.node.lowcomm import codec, deadline
 from dtrain.node.lowcomm.outer import OuterNesterov
 from dtrain.node.lowcomm.rounds import InnerRounds
@@ -186,3 +187,39 @@ def test_the_anchor_reads_the_served_snapshot_when_it_holds_the_same_bytes():
     assert r.anchor[0].data_ptr() != served[0].ctypes.data and torch.equal(r.anchor[0], torch.tensor([0.0, 2.0, 3.0]))
     r.inner_step([torch.tensor([0.0, 1.0, 0.0])])  # still other bytes than the served ones: it keeps its copy
     assert r.anchor[0].data_ptr() != served[0].ctypes.data and np.array_equal(served[0], [1.0, 2.0, 3.0])
+
+
+def _shmem_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssShmem:"))
+
+
+def test_the_gradient_buffers_hold_memory_only_while_used():
+    n = 4 << 20  # 16 MiB
+    p, twin = torch.nn.Parameter(torch.zeros(n)), torch.nn.Parameter(torch.zeros(n))
+    p.grad = buffer = memory.shared_zeros(n)  # as a node's are (node.swarm.state.keep_state_shared)
+    r = InnerRounds([p], torch.optim.AdamW([p], lr=0.1), 2)
+    grad = torch.linspace(-1.0, 1.0, n)
+    before = _shmem_kib()
+    r.inner_step([grad])
+    twin.grad = grad.clone()
+    torch.optim.AdamW([twin], lr=0.1).step()
+    assert torch.equal(p.detach(), twin.detach())  # the update used the gradient, exactly
+    assert _shmem_kib() - before < 1024  # then it went (read first: a read of a released page takes one again)
+    assert p.grad is buffer and not buffer.any()
+    r.enter_outer()
+    with torch.no_grad():
+        buffer.copy_(r.offer()[0])  # the outer round's offer, as the node writes it for hivemind's averager
+    assert _shmem_kib() - before >= 15 << 10
+    r.leave_outer()  # no update: the round is over all the same
+    assert _shmem_kib() - before < 1024
+    assert p.grad is buffer and not buffer.any()
+
+
+def test_the_anchor_shares_the_served_bytes_once_they_are_published():
+    p = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+    served = [np.array([1.0, 2.0, 3.0], np.float32)]
+    r = InnerRounds([p], torch.optim.SGD([p], lr=0.5), 2, published=lambda: served)
+    assert r.anchor[0].data_ptr() != served[0].ctypes.data  # a copy until the node says it serves them
+    r.share_anchor()
+    assert r.anchor[0].data_ptr() == served[0].ctypes.data

@@ -12,6 +12,11 @@ average (`enter_outer`); after it:
 Every call that may replace the parameters (an outer update, a download of the swarm's state) comes between
 `enter_outer` and one of the three. Nothing accepted is dropped and nothing goes into two outer updates.
 
+The gradient buffers (`.grad`) hold something only while it is used: the mean gradient of one inner update, or the
+offer during an outer round. Every use writes them whole first, so in between they hold no memory
+(`release_grads`, node.memory.release: their shared pages are handed back, in hivemind's averager too, which maps
+the same buffers).
+
 With a sparse codec (`fraction`), what the node offers a round (`offer`) is the top-k of its pseudo-gradient plus its
 error feedback (what earlier rounds did not send), its values quantized as they travel. `settle` keeps the unsent
 rest, quantization error included, as the new error feedback; `carry`
@@ -25,6 +30,7 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
+from dtrain.node import memory
 from dtrain.node.lowcomm import sparse
 
 
@@ -55,15 +61,16 @@ class InnerRounds:
         self._compress = False
 
     def _new_anchor(self) -> None:
-        """The parameters as they are now become the anchor (a copy, until `_share_anchor` finds it served)."""
+        """The parameters as they are now become the anchor (a copy, until `share_anchor` finds it served)."""
         with torch.no_grad():
             self.anchor = [p.detach().clone() for p in self.params]
         self._anchor_own = True
 
-    def _share_anchor(self) -> None:
-        """Once per anchor, before the round's first inner update: when the node serves the anchor's bytes (it
-        published them after the update that made them), the anchor becomes a view of the snapshot's fp32 arrays
-        and its own copy goes. Equal bytes, wherever they are: nothing computed changes."""
+    def share_anchor(self) -> None:
+        """Once per anchor, as soon as the node serves the anchor's bytes (it publishes them after the update that
+        made them: node.train.trainer) and at the latest before the round's first inner update: the anchor becomes a
+        view of the snapshot's fp32 arrays and its own copy goes. Equal bytes, wherever they are: nothing computed
+        changes."""
         if not self._anchor_own or self._published is None:
             return
         self._anchor_own = False
@@ -86,7 +93,7 @@ class InnerRounds:
         """One AdamW update of the node's parameters with this (mean) gradient."""
         if self.in_outer:
             raise RuntimeError("inner_step() inside an outer round")
-        self._share_anchor()
+        self.share_anchor()
         with torch.no_grad():
             for p, g in zip(self.params, grads):
                 if p.grad is None:
@@ -94,6 +101,12 @@ class InnerRounds:
                 p.grad.copy_(torch.as_tensor(g).view_as(p))
         self.inner.step()
         self.steps += 1
+        self.release_grads()
+
+    def release_grads(self) -> int:
+        """The gradient buffers read zeros and hold no memory until the next use writes them (node.memory.release);
+        returns the bytes handed back. Only between uses: after an inner update, and once an outer round is over."""
+        return memory.release([p.grad for p in self.params if p.grad is not None])
 
     def pseudo_gradient(self) -> list[torch.Tensor]:
         """anchor - the inner updates' parameters."""
@@ -146,6 +159,7 @@ class InnerRounds:
             for p, q in zip(self.params, self._inner):
                 p.copy_(q)
         self.in_outer, self._offer, self._inner = False, None, None
+        self.release_grads()
 
     def settle(self) -> None:
         """The parameters hold an outer update that applied this node's offer: the next anchor. What the offer left
@@ -157,6 +171,7 @@ class InnerRounds:
                     e.add_(d).sub_(o)
         self._new_anchor()
         self.steps, self.in_outer, self._offer, self._inner = 0, False, None, None
+        self.release_grads()
 
     def carry(self) -> None:
         """The parameters hold the swarm's bytes without this node's pseudo-gradient (or still the anchor: nothing
@@ -172,6 +187,7 @@ class InnerRounds:
             for p, d in zip(self.params, delta):
                 p.sub_(d)
         self.in_outer, self._offer, self._inner = False, None, None
+        self.release_grads()
 
     def inner_parameters(self) -> list[torch.Tensor]:
         """The inner updates' parameters, wherever they are now (set aside inside an outer round)."""

@@ -618,6 +618,7 @@ class TrainingNode:
         finally:
             if self.rounds is not None:  # once the downloaded bytes are served: on top of them, for the next round
                 self.rounds.carry()
+                self.rounds.share_anchor()
                 self._sync_sharing()
 
     def _serve_download(self, download: Download) -> None:
@@ -667,6 +668,7 @@ class TrainingNode:
         if self.rounds is not None:  # low-comm: what a downloading peer gets from now on
             averager = self.swarm.optimizer.state_averager
             averager.served = ServedState(snap.updates, snap.f32, averager.optimizer.version)
+            self.rounds.share_anchor()  # the anchor an update just made is these bytes: its own copy goes now
         self._share_state()
         norm = float(np.sqrt(sum(np.dot(a.astype(np.float64), a) for a in snap.f32)))
         logger.info(f"step {snap.step} params sha256 {snap.digest} l2 {norm:.12e}")
