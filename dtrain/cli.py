@@ -59,6 +59,7 @@ def build(config: NodeConfig) -> Built:
     from dtrain.node.assets import tokenizer_files
     from dtrain.node.corpus import load_corpus
     from dtrain.node.data import TokenDataset
+    from dtrain.node.device import use_threads
     from dtrain.node.frozen import SnapshotModels
     from dtrain.node.model import meta_template
     from dtrain.node.serve.service import for_node as serve_for_node
@@ -67,6 +68,8 @@ def build(config: NodeConfig) -> Built:
     from dtrain.node.train.trainer import TrainingNode
 
     memory.cap_mmap_threshold()  # freed tensors go back to the system (node.memory)
+    threads = use_threads(config.torch_threads)  # before any thread runs a torch op (node.device)
+    logger.info(f"torch uses {threads['intra_op']} threads per operation on the CPU, for training and serving alike")
     imported = None
     if config.init_from:
         from dtrain.node.hfdir import HFImportError, read as read_hf

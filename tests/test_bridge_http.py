@@ -19,7 +19,7 @@ from dtrain.bridge import dgrd
 from dtrain.bridge.training_routes import INLINE_INGEST_BYTES
 from dtrain.node.assets import gpt2_tokenizer_files
 from dtrain.node.config import ModelConfig
-from dtrain.node.device import resolve
+from dtrain.node.device import resolve, threads_now
 from dtrain.node.model import build_model
 from tests.inproc import InProcessNode
 from tests.nodeproc import TINY_CONFIG, new_run_id, wait_until
@@ -495,6 +495,7 @@ def test_losses_and_status(node):
     assert (status["closed"], status["sync"], status["wire_codec"]) == (False, "low-comm", "sparse")
     # where it computes: --device auto, the CPU on a machine without CUDA
     assert status["device"] == resolve("auto").as_dict()
+    assert status["torch_threads"] == threads_now()  # no --torch-threads: torch's default, one per core
 
 
 # ---------------------------------------------------------------------------------------------

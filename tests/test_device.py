@@ -2,6 +2,10 @@
 the CPU path of node.train.compute, which must give the very bytes the node computed before devices existed."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +18,7 @@ from dtrain.node.model import build_model
 from dtrain.node.train import reference
 from dtrain.node.train.compute import Compute
 from dtrain.node.train.trainer import TrainingNode
-from tests.nodeproc import TINY_CONFIG
+from tests.nodeproc import REPO, TINY_CONFIG
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -36,6 +40,36 @@ def test_a_malformed_device_is_a_config_error_naming_the_forms(text):
 def test_the_flag_and_the_default():
     assert NodeConfig().device == "auto"
     assert parse_config(["--device", "cuda:1"]).device == "cuda:1"
+
+
+def test_the_thread_budget_flag_and_its_checks():
+    assert NodeConfig().torch_threads == 0  # torch's default: one thread per core it sees
+    assert parse_config(["--torch-threads", "1"]).torch_threads == 1
+    with pytest.raises(ConfigError, match=r"torch_threads must be an integer >= 0"):
+        parse_config(["--torch-threads", "-1"])
+
+
+THREADS_PROBE = """
+import json, threading, torch
+from dtrain.node.device import threads_now, use_threads
+default = threads_now()
+set_to = use_threads(int(__import__("sys").argv[1]))
+seen = {}
+worker = threading.Thread(target=lambda: seen.update(threads_now()))  # as the serving engines' threads run ops
+worker.start(); worker.join()
+print(json.dumps([default, set_to, seen]))
+"""
+
+
+@pytest.mark.parametrize("threads", [1, 0])
+def test_the_thread_budget_reaches_torch_in_every_thread_of_the_process(threads):
+    # a process of its own: torch takes the inter-op count once per process
+    out = subprocess.run([sys.executable, "-c", THREADS_PROBE, str(threads)], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    default, set_to, seen = json.loads(out.stdout)
+    expected = {"intra_op": threads, "inter_op": threads} if threads else default
+    assert set_to == seen == expected
 
 
 def test_auto_is_cuda_where_torch_sees_it_and_the_cpu_elsewhere():

@@ -167,10 +167,12 @@ def test_cli_join_report_and_sigterm(tmp_path):
 @pytest.mark.timeout(180)
 def test_checkpoint_round_trip(text_file, tmp_path):
     ckpt_dir = tmp_path / "ckpt"
-    args = _train_args(text_file, 1, ["--checkpoint-dir", str(ckpt_dir), "--checkpoint-every", "2"])
+    args = _train_args(text_file, 1, ["--checkpoint-dir", str(ckpt_dir), "--checkpoint-every", "2",
+                                      "--torch-threads", "1"])
     node = NodeProcess("A", args, new_run_id())
     try:
         node.wait_ready()
+        assert node.status()["torch_threads"] == {"intra_op": 1, "inter_op": 1}  # the node's one thread budget
         wait_until(lambda: node.status()["step"] >= 4, 90, "four updates")
         node.terminate()
         # the loss history of the last step, as the stopping node logged it

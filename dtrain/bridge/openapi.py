@@ -272,6 +272,9 @@ def _schemas() -> dict:
             "device": {"type": "object", "description": "where forward and backward passes run (--device); the "
                        "fp32 master weights stay on the CPU", "properties": {
                 "device": string, "name": string, "precision": {"enum": ["fp32", "bf16 autocast"]}}},
+            "torch_threads": {"type": "object", "description": "threads one torch operation on the CPU uses, in "
+                              "every engine of the node (--torch-threads)", "properties": {
+                "intra_op": integer, "inter_op": integer}},
             "wire_codec": {"enum": ["fp16", "fp32", "sparse", None], "description": "low-comm: the pseudo-gradient "
                            "on the wire (null in per-step mode)"},
             "reachability": {"type": "object", "description": "how this node takes part in the swarm "

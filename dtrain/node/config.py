@@ -217,6 +217,10 @@ class NodeConfig:
     device: str = option("auto", "--device", "auto: the first CUDA GPU when torch sees one, else the CPU; cpu; "
                          "cuda or cuda:N (a GPU index). On a GPU the node trains with bf16 autocast over fp32 master "
                          "weights and serves the same fp32 bytes")
+    # one budget for every torch op on the CPU, set once at start (node.device.use_threads, docs/serving.md)
+    torch_threads: int = option(0, "--torch-threads", "threads one torch operation on the CPU may use, for every "
+                                "engine of the node: training, /v1, split inference, feedback and adapter scoring "
+                                "(0: torch's default, one per core it sees)")
     # untrusted contributors (docs/robustness.md)
     max_samples_per_packet: int = option(256, "--max-samples-per-packet",
                                          "samples one packet may claim; above it the packet is refused with 400")
@@ -265,6 +269,8 @@ class NodeConfig:
         if not self.max_weight_multiple >= 0:
             raise ConfigError(f"max_weight_multiple must be >= 0 (0: off), got {self.max_weight_multiple!r}")
         parse_device(self.device)
+        if not isinstance(self.torch_threads, int) or self.torch_threads < 0:
+            raise ConfigError(f"torch_threads must be an integer >= 0 (0: torch's default), got {self.torch_threads!r}")
 
     @property
     def max_pending_bytes(self) -> Optional[int]:

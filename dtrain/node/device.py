@@ -50,6 +50,24 @@ class Device:
 CPU = Device(torch.device("cpu"), "cpu")
 
 
+def use_threads(threads: int) -> dict:
+    """`--torch-threads`: how many threads one torch operation on the CPU may use, in every thread of this process
+    (0 leaves torch's default, one per core it sees). Called once at start, before any thread runs a torch op: a
+    thread takes the count at its first parallel op. Returns the counts torch has now (`threads_now`)."""
+    if threads > 0:
+        torch.set_num_threads(threads)
+        try:
+            torch.set_num_interop_threads(threads)
+        except RuntimeError:  # torch takes it once per process, before any inter-op work (a test that built a node)
+            pass
+    return threads_now()
+
+
+def threads_now() -> dict:
+    """The thread counts torch uses in this process: intra-op (one operation's threads) and inter-op."""
+    return {"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads()}
+
+
 def resolve(text: str, cuda_available: Callable[[], bool] = torch.cuda.is_available,
             cuda_count: Callable[[], int] = torch.cuda.device_count) -> Device:
     """`--device`'s value as the device to run on; ConfigError when it names a GPU this machine lacks."""

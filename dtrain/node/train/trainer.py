@@ -25,7 +25,7 @@ from dtrain.node.swarm.agreement import Agreement, Download
 from dtrain.node.config import ConfigError, ModelConfig, NodeConfig, TrainConfig
 from dtrain.node.contribution import Contribution
 from dtrain.node.data import TokenDataset
-from dtrain.node.device import resolve as resolve_device
+from dtrain.node.device import resolve as resolve_device, threads_now
 from dtrain.node.lowcomm.outer import OuterNesterov
 from dtrain.node.lowcomm.rounds import InnerRounds
 from dtrain.node.lowcomm.roundlog import CatchUp
@@ -92,6 +92,7 @@ class NodeStatus:
     # --checkpoint-dir held the swarm's bytes), "own state" (a joiner at epoch 0 that built the swarm's start
     # itself: no download), "download" (from peers)
     first_state: str = ""
+    torch_threads: Optional[dict] = None  # node.device.threads_now(): torch's CPU threads per operation (--torch-threads)
 
 
 class TrainingNode:
@@ -252,6 +253,7 @@ class TrainingNode:
             scored_out=self.ledger.summary().scored_out,
             device=self.device.as_dict(),
             first_state=self._first_state,
+            torch_threads=threads_now(),
         )
 
     # ---- joining -------------------------------------------------------------------------------------------
