@@ -101,3 +101,20 @@ def test_release_zeroes_private_tensors_where_they_are():
     strided = memory.shared_zeros(1 << 20)[::2].fill_(1.0)  # not contiguous
     assert memory.release([t, strided]) == 0
     assert not t.any() and not strided.any()
+
+
+def _anon_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's calloc")
+def test_lazy_zeros_take_memory_only_where_written():
+    memory.cap_mmap_threshold()  # as the node runs
+    like = torch.empty(0).new_empty((64, 1 << 20))  # 256 MiB of shape
+    before = _anon_kib()
+    z = memory.lazy_zeros(like)
+    assert z.shape == like.shape and z.dtype == torch.float32 and not z.any()  # reads take no page either
+    assert _anon_kib() - before < 1024
+    z[:16].fill_(1.0)
+    assert _anon_kib() - before >= 60 << 10

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from dtrain.node import memory
 from dtrain.node.lowcomm import codec, sparse
 from dtrain.node.lowcomm.rounds import InnerRounds
 
@@ -216,3 +217,35 @@ def test_a_fraction_outside_zero_one_is_refused():
     for bad in (0.0, 1.5, -0.1):
         with pytest.raises(ValueError):
             InnerRounds([p], torch.optim.SGD([p], lr=1.0), 1, fraction=bad)
+
+
+def _anon_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+
+
+def test_the_error_feedback_holds_memory_only_once_a_round_left_something_unsent():
+    memory.cap_mmap_threshold()  # as the node runs: freed tensors leave
+    n = 8 << 20  # 32 MiB
+    p = torch.nn.Parameter(torch.zeros(n))
+    p.grad, g = torch.zeros(n), torch.linspace(-1.0, 1.0, n)
+    before = _anon_kib()
+    r = InnerRounds([p], torch.optim.SGD([p], lr=1.0), inner_steps=1, fraction=0.01)
+    before += (n * 4) >> 10  # the anchor's own copy (no snapshot is served here)
+    r.inner_step([g])
+    r.enter_outer()
+    offer = r.offer(compress=False)  # alone: the whole pseudo-gradient
+    with torch.no_grad():
+        p.sub_(offer[0])
+    del offer
+    r.settle()
+    assert _anon_kib() - before < 4 << 10  # the feedback stays untouched zeros
+    assert not r.feedback[0].any()
+    r.inner_step([g])
+    r.enter_outer()
+    offer = r.offer(compress=True)[0].clone()  # with peers: the top 1%, the rest waits in the feedback
+    with torch.no_grad():
+        p.sub_(offer)
+    r.settle()
+    assert torch.equal(r.feedback[0] + offer, g)  # the unsent rest, exactly
+    assert _anon_kib() - before >= 30 << 10

@@ -26,6 +26,7 @@ import ctypes.util
 import mmap
 from typing import Iterable, Optional
 
+import numpy as np
 import torch
 
 MMAP_THRESHOLD_BYTES = 1 << 20  # blocks at least this large are their own mappings, returned to the system on free
@@ -74,6 +75,13 @@ def shared_zeros(elements: int) -> torch.Tensor:
     n = int(elements)
     storage = torch.UntypedStorage._new_shared(4 * n)  # torch's own shared-memory allocation (share_memory_ uses it)
     return torch.empty(0).set_(storage, 0, (n,), (1,))
+
+
+def lazy_zeros(like: torch.Tensor) -> torch.Tensor:
+    """A float32 tensor of zeros shaped like `like`, in private memory that takes no page until written (reads map
+    the kernel's one zero page): numpy's calloc, which glibc serves from fresh pages of the system without writing
+    them for blocks above the mmap threshold (`cap_mmap_threshold`). torch.zeros writes every page."""
+    return torch.from_numpy(np.zeros(like.numel(), np.float32)).view(like.shape)
 
 
 def release(tensors: Iterable[torch.Tensor]) -> int:

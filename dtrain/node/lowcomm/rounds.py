@@ -56,7 +56,9 @@ class InnerRounds:
         self.steps = 0  # inner updates since the anchor (carried ones included)
         self.in_outer = False
         self.fraction = fraction
-        self.feedback = [torch.zeros_like(p) for p in self.params] if fraction is not None else None
+        # zeros that take no memory until a round leaves something unsent: a node alone never compresses (P less)
+        self.feedback = [memory.lazy_zeros(p) for p in self.params] if fraction is not None else None
+        self._feedback_written = False  # false: the feedback is all zeros, untouched
         self._offer: Optional[list[torch.Tensor]] = None  # what this round was offered (until settle or carry)
         self._compress = False
 
@@ -165,10 +167,13 @@ class InnerRounds:
         """The parameters hold an outer update that applied this node's offer: the next anchor. What the offer left
         out of the pseudo-gradient (and of the earlier error feedback) is the error feedback now."""
         with torch.no_grad():
-            if self.feedback is not None:
+            # an offer of the whole pseudo-gradient leaves zero feedback at zero ((0 + d) - d is 0 exactly): its
+            # pages stay untouched
+            if self.feedback is not None and (self._compress or self._feedback_written):
                 offer, delta = self.offer(), self.pseudo_gradient()
                 for e, d, o in zip(self.feedback, delta, offer):
                     e.add_(d).sub_(o)
+                self._feedback_written = True
         self._new_anchor()
         self.steps, self.in_outer, self._offer, self._inner = 0, False, None, None
         self.release_grads()
@@ -206,7 +211,9 @@ class InnerRounds:
                 p.copy_(q) if same else p.copy_(a - (s - q))
             if feedback is not None and self.feedback is not None:
                 for e, f in zip(self.feedback, feedback):
-                    e.copy_(f)
+                    if f.any() or self._feedback_written:  # zeros on zeros stay untouched
+                        e.copy_(f)
+                        self._feedback_written = True
         self.steps, self._offer = steps, None
 
 
