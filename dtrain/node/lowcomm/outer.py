@@ -9,7 +9,8 @@ pseudo-gradient itself (learning rate 1, no momentum).
 """
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 
@@ -34,6 +35,17 @@ class OuterNesterov(torch.optim.Optimizer):
 
     def _bump(self) -> None:
         self.version += 1
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """Its state is written from outside a step or a load (a download written into it as it arrives,
+        node.swarm.state.SwarmStateAverager): the version moves on before and after it, so that no reader takes
+        what it copied meanwhile for one moment's state."""
+        self._bump()
+        try:
+            yield
+        finally:
+            self._bump()
 
     @torch.no_grad()
     def step(self, closure=None):

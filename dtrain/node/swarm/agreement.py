@@ -197,7 +197,8 @@ class Agreement:
         up with collaboration step"): the bytes of update e served as step e + 2. The records tell which epoch the
         bytes are; anything else is downloaded again. This peer shares no state of its own until it serves again
         (`TrainingNode._publish`): its tensors are being overwritten. A download that got nothing leaves epoch 0
-        and the seeded model, which is the swarm's state only while the swarm is at epoch 0.
+        and the seeded model, which is the swarm's state only while the swarm is at epoch 0; one that failed part-way
+        (`torn`: written into the tensors as it arrived, node.swarm.download) leaves nothing to check.
         """
         opt = self.optimizer
         opt.state_averager.allow_state_sharing = False
@@ -208,6 +209,9 @@ class Agreement:
                 return Download.REFUSED
             logger.info("Loading the swarm's parameters and optimizer state from peers")
             opt.load_state_from_peers()
+            if opt.state_averager.torn:
+                logger.info("The download failed part-way: the tensors hold part of a peer's state; loading again")
+                continue
             epoch, digest = opt.local_epoch, params_digest(self.model)
             if digest == want_digest:
                 return Download.CHECKED
@@ -244,6 +248,8 @@ class Agreement:
     def check_download(self) -> Download:
         """State hivemind downloaded by itself inside step() ("Peer is out of sync"): kept when it is the bytes the
         peers serve for its epoch, else downloaded again through `load_state_from_peers`."""
+        if self.optimizer.state_averager.torn:
+            return self.load_state_from_peers()
         epoch, digest = self.optimizer.local_epoch, params_digest(self.model)
         published = self._others(epoch)
         if (epoch == 0 and self.is_epoch_zero(digest)) or _is_reference(published, digest):

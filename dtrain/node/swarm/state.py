@@ -1,18 +1,30 @@
 """The swarm's state as a node holds and hands it out: the training tensors kept in shared memory where hivemind's
-processes use them in place (`keep_state_shared`), and the state averager that averages them and answers a joiner's
-download with one moment's state (`SwarmStateAverager`; in low-comm mode the served epoch's, `ServedState`)."""
+processes use them in place (`keep_state_shared`), and the state averager that averages them, answers a joiner's
+download with one moment's state (`SwarmStateAverager`; in low-comm mode the served epoch's, `ServedState`) and
+downloads a peer's state into them as it arrives (node.swarm.download)."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import random
 import time
 from dataclasses import dataclass
+from itertools import chain
 from typing import Optional, Sequence
 
 import torch
-from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state, load_optimizer_state
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture, get_logger
+from hivemind.utils.timed_storage import ValueWithExpiration
 
 from dtrain.node import memory
+from dtrain.node.swarm.download import BadState, Layout, Received, receive_into
 from dtrain.node.swarm.deadlines import Retimable
 from dtrain.node.swarm.keygate import KeyGatedServicer
+
+logger = get_logger(__name__)
 
 
 def keep_state_shared(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -89,16 +101,151 @@ class ServedState:
     version: int
 
 
+@dataclass(frozen=True)
+class Downloaded:
+    """What the averager's process tells the node of a download it wrote into the node's tensors."""
+
+    metadata: Optional[dict]  # the peer's (epoch, optimizer metadata) when a whole state was written, else None
+    torn: bool  # a download that failed part-way wrote some of the tensors
+
+
+class Abandoned(RuntimeError):
+    """The node stopped waiting for the download: nothing more is written."""
+
+
 class SwarmStateAverager(Retimable, KeyGatedServicer, TrainingStateAverager):
     """hivemind's state averager (parameter and state averaging, state downloads) whose RPCs, in a closed swarm,
-    answer only peers that prove the key (node.swarm.keygate), and whose downloads are one moment's state."""
+    answer only peers that prove the key (node.swarm.keygate), whose downloads are one moment's state, and which
+    downloads a peer's state into the node's tensors as it arrives (`load_state_from_peers`)."""
 
     def __init__(self, *args, **kwargs):
         # the parameters and optimizer state are the averaged tensors themselves (they are in shared memory already,
         # node.swarm.state.keep_state_shared): no second copy of them (up to 3P). An all-reduce then writes the
         # training tensors: it holds lock_averaged_tensors while it does, and `step` waits for it to let go
         self.served: Optional[ServedState] = None
+        self.torn = False  # the tensors hold part of a download that failed: serve and average none of it
+        self._stream: Optional[tuple[Layout, tuple[torch.Tensor, ...]]] = None  # set when the process starts
         super().__init__(*args, reuse_tensors=True, **kwargs)
+
+    def _state_tensors(self) -> tuple[list, tuple[torch.Tensor, ...]]:
+        """The optimizer's flat metadata, and the tensors a download writes in the order a peer sends them
+        (TrainingStateAverager.get_current_state): parameters, extra tensors, the optimizer's state."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        flat_metadata, optimizer_tensors = dump_optimizer_state(self.optimizer)
+        return flat_metadata, tuple(chain(params, self.extra_tensors, optimizer_tensors))
+
+    def run_in_background(self, *args, **kwargs):
+        # the averager's process writes a download into the very tensors the node holds: they must be in shared
+        # memory when it forks (keep_state_shared), and stay the same tensors (checked at each download)
+        flat_metadata, tensors = self._state_tensors()
+        if self.reuse_tensors and not self.offload_optimizer and all(t.is_shared() for t in tensors):
+            self._stream = (Layout.of(flat_metadata, tensors), tensors)
+        return super().run_in_background(*args, **kwargs)
+
+    def load_state_from_peers(self, timeout: Optional[float] = None, **kwargs):
+        """hivemind's download of the state of the peer of highest priority that serves one, each tensor written
+        into the node's as soon as it has arrived and passed its checks (node.swarm.download): no whole second
+        state is held. Sets `torn` when a download failed after it wrote some of them; a whole download clears it.
+        The node shares no state while its tensors are written, nor after a download that left them torn.
+
+        hivemind's own (the whole state received first) where the averager's process cannot write the node's
+        tensors: not in shared memory when it started, or other tensors since."""
+        if self._stream is None:
+            return super().load_state_from_peers(timeout=timeout, **kwargs)
+        layout, tensors = self._stream
+        _, now = self._state_tensors()
+        if len(now) != len(tensors) or any(a is not b for a, b in zip(now, tensors)):
+            logger.warning("The optimizer's state tensors are no longer those the averager's process writes; "
+                           "downloading the whole state first")
+            return super().load_state_from_peers(timeout=timeout, **kwargs)
+        sharing, self.allow_state_sharing = self.allow_state_sharing, False  # written one by one from now on
+        loaded = False
+        # a low-comm outer optimizer counts this as a write of its state (ServedState never hands it out meanwhile)
+        with getattr(self.optimizer, "writing", contextlib.nullcontext)():
+            outcome = self._await_download(timeout)
+            if outcome.metadata is not None:
+                with torch.no_grad(), self.lock_averaged_tensors:
+                    try:  # the values are in place; the peer's scalars (hyperparameters, AdamW's step) go with them
+                        main = sum(len(group["params"]) for group in self.optimizer.param_groups)
+                        load_optimizer_state(self.optimizer, outcome.metadata["optimizer_metadata"],
+                                             tensors[main + len(self.extra_tensors):])
+                        loaded = True
+                    except Exception as e:
+                        logger.warning(f"Could not load the downloaded optimizer state: {e!r}")
+        self.torn = outcome.torn or (self.torn and not loaded) or (outcome.metadata is not None and not loaded)
+        if loaded:
+            self.local_epoch = outcome.metadata["epoch"]
+            self._update_scheduler()
+        if not self.torn:
+            self.allow_state_sharing = sharing
+
+    def _await_download(self, timeout: Optional[float]) -> Downloaded:
+        future = MPFuture()
+        self._outer_pipe.send(("_stream_state_from_peers", [],
+                               dict(future=future, timeout=timeout, min_epoch=self.local_epoch)))
+        try:
+            return future.result(timeout=timeout)
+        except TimeoutError:
+            if not future.cancel():  # it ended just now
+                return future.result()
+            with self.lock_averaged_tensors:  # a write under way ends; after the cancel, none begins
+                pass
+            logger.warning(f"The download did not end within {timeout}s; abandoned")
+            return Downloaded(None, torn=True)  # it may have written some
+
+    async def _stream_state_from_peers(self, future: MPFuture, timeout: Optional[float], min_epoch: int):
+        """In the averager's process: hivemind's _load_state_from_peers (the peers that declared their state, highest
+        priority first, until one sends a whole state), each tensor written into the node's as it arrives."""
+        if timeout is not None:  # as hivemind's: the bound on each chunk
+            timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
+        layout, tensors = self._stream
+        loop, torn = asyncio.get_running_loop(), False
+
+        def write_now(index: int, tensor: torch.Tensor) -> None:
+            with self.lock_averaged_tensors:
+                if future.done():
+                    raise Abandoned("the node stopped waiting for the download")
+                with torch.no_grad():
+                    tensors[index].copy_(tensor)
+
+        async def write(index: int, tensor: torch.Tensor) -> None:
+            await loop.run_in_executor(None, write_now, index, tensor)
+
+        try:
+            for peer in await self._state_peers():
+                if future.done():
+                    return
+                started, received = time.monotonic(), Received()
+                logger.info(f"Downloading the state from peer {peer} into this node's tensors")
+                try:
+                    stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+                    stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+                    metadata = await receive_into(stream, layout, self.serializer.loads, min_epoch, write, received,
+                                                  timeout)
+                except Exception as e:
+                    torn = torn or received.written > 0
+                    how = logger.info if isinstance(e, BadState) and received.written == 0 else logger.warning
+                    how(f"The download from {peer} failed after {received.written} of {len(tensors)} tensors: "
+                        f"{e!r}")
+                    continue
+                logger.info(f"Downloaded the state from {peer} in {time.monotonic() - started:.1f}s")
+                future.set_result(Downloaded(metadata, torn=False))
+                return
+        except Exception as e:
+            logger.exception(f"Downloading the state failed: {e!r}")
+        finally:
+            if not future.done():
+                future.set_result(Downloaded(None, torn))
+
+    async def _state_peers(self) -> list:
+        """The peers that declared they share their state, highest priority first (ties at random), as hivemind's
+        _load_state_from_peers asks them."""
+        found = await self.dht.get(f"{self._matchmaking.group_key_manager.prefix}.all_averagers", latest=True,
+                                   return_future=True)
+        declared = found.value if found is not None and isinstance(found.value, dict) else {}
+        priority = {PeerID(peer): (float(info.value), random.random()) for peer, info in declared.items()
+                    if isinstance(info, ValueWithExpiration) and isinstance(info.value, (float, int))}
+        return sorted((p for p in priority if p != self.peer_id), key=priority.get, reverse=True)
 
     def step(self, *args, averaging_round: bool = False, averaging_control=None, increment_epoch: bool = False,
              averaging_opts: Optional[dict] = None, **kwargs):

@@ -85,6 +85,8 @@ class OuterRoundLoop:
             node.presence.reported_samples()
         started = time.monotonic()
         opt.step(batch_size=new_samples)
+        if opt.state_averager.torn:  # hivemind's download inside step() failed part-way: loaded again
+            node._unverified = True
         if opt.local_epoch == epoch_before:
             if rounds.due and rounds.at_anchor():
                 # waiting for the round: the parameters stay at the anchor, the served bytes, which a joiner may

@@ -540,6 +540,8 @@ class TrainingNode:
             self.presence.reported_samples()
         started = time.monotonic()
         opt.step(batch_size=new_samples)
+        if opt.state_averager.torn:  # hivemind's download inside step() failed part-way: loaded again
+            self._unverified = True
         if opt.local_epoch == epoch_before:
             return
         outcome = opt.last_round
