@@ -124,6 +124,7 @@ class SwarmStateAverager(Retimable, KeyGatedServicer, TrainingStateAverager):
         # training tensors: it holds lock_averaged_tensors while it does, and `step` waits for it to let go
         self.served: Optional[ServedState] = None
         self.torn = False  # the tensors hold part of a download that failed: serve and average none of it
+        self._downloading = False  # a download is being written into the tensors (set and read under the lock)
         self._stream: Optional[tuple[Layout, tuple[torch.Tensor, ...]]] = None  # set when the process starts
         super().__init__(*args, reuse_tensors=True, **kwargs)
 
@@ -159,20 +160,26 @@ class SwarmStateAverager(Retimable, KeyGatedServicer, TrainingStateAverager):
                            "downloading the whole state first")
             return super().load_state_from_peers(timeout=timeout, **kwargs)
         sharing, self.allow_state_sharing = self.allow_state_sharing, False  # written one by one from now on
-        loaded = False
+        with self.lock_averaged_tensors:
+            self._downloading = True
         # a low-comm outer optimizer counts this as a write of its state (ServedState never hands it out meanwhile)
-        with getattr(self.optimizer, "writing", contextlib.nullcontext)():
-            outcome = self._await_download(timeout)
-            if outcome.metadata is not None:
+        try:
+            with getattr(self.optimizer, "writing", contextlib.nullcontext)():
+                outcome, loaded = self._await_download(timeout), False
                 with torch.no_grad(), self.lock_averaged_tensors:
-                    try:  # the values are in place; the peer's scalars (hyperparameters, AdamW's step) go with them
-                        main = sum(len(group["params"]) for group in self.optimizer.param_groups)
-                        load_optimizer_state(self.optimizer, outcome.metadata["optimizer_metadata"],
-                                             tensors[main + len(self.extra_tensors):])
-                        loaded = True
-                    except Exception as e:
-                        logger.warning(f"Could not load the downloaded optimizer state: {e!r}")
-        self.torn = outcome.torn or (self.torn and not loaded) or (outcome.metadata is not None and not loaded)
+                    if outcome.metadata is not None:
+                        try:  # the values are in place; the peer's scalars (hyperparameters, AdamW's step) go too
+                            main = sum(len(group["params"]) for group in self.optimizer.param_groups)
+                            load_optimizer_state(self.optimizer, outcome.metadata["optimizer_metadata"],
+                                                 tensors[main + len(self.extra_tensors):])
+                            loaded = True
+                        except Exception as e:
+                            logger.warning(f"Could not load the downloaded optimizer state: {e!r}")
+                    self.torn = outcome.torn or (outcome.metadata is not None and not loaded) or \
+                        (self.torn and not loaded)
+        finally:
+            with self.lock_averaged_tensors:
+                self._downloading = False
         if loaded:
             self.local_epoch = outcome.metadata["epoch"]
             self._update_scheduler()
@@ -283,6 +290,8 @@ class SwarmStateAverager(Retimable, KeyGatedServicer, TrainingStateAverager):
         if self.served is None:
             metadata, tensors, infos = super().get_current_state()
             with self.lock_averaged_tensors:
+                if self._downloading or self.torn:  # a request that came before sharing was turned off
+                    raise StateNotServed("this node's tensors are being written by a download, or hold part of one")
                 tensors = [t.clone() for t in tensors]
             return metadata, tensors, infos
         outer, deadline = self.optimizer, time.monotonic() + SERVED_WAIT_S
