@@ -110,12 +110,15 @@ async def receive_into(stream: AsyncIterator, layout: Layout, loads: Callable[[b
     async def finish() -> None:
         if received.metadata is None:
             raise BadState("a tensor came before the metadata")
-        index = received.written
+        index, chunks = received.written, received.chunks
+        received.chunks, received.chunk_bytes = [], 0
         try:
-            tensor = deserialize_torch_tensor(combine_from_streaming(received.chunks))
+            serialized = combine_from_streaming(chunks)
+            del chunks  # held no longer than needed: a tensor's bytes are copied twice on their way (hivemind's codec)
+            tensor = deserialize_torch_tensor(serialized)
+            del serialized
         except Exception as e:
             raise BadState(f"tensor {index}: not a tensor ({e!r})") from None
-        received.chunks, received.chunk_bytes = [], 0
         await write(index, layout.check_tensor(index, tensor))
         received.written += 1
 
