@@ -54,6 +54,20 @@ def test_a_dense_enough_payload_sends_a_bitmask_and_8_bit_values():
     assert len(data) == sparse.payload_bytes(count, 10_001, quantized=True)
 
 
+def test_a_model_as_its_tensors_encodes_to_the_bytes_of_its_flat_concatenation():
+    # what a round offers and logs is encoded tensor by tensor, with no flat copy of the model: the same payload
+    g = torch.Generator().manual_seed(2)
+    tensors = [torch.randn(s, generator=g) for s in [(30, 40), (7,), (0,), (1001,)]]
+    for fraction, layout in [(0.3, sparse.BITMASK), (0.01, sparse.INDICES)]:
+        kept = sparse.quantize(sparse.top_k(tensors, fraction))
+        flat = torch.cat([t.reshape(-1) for t in kept])
+        for quantized in (False, True):
+            data = sparse.encode(kept, quantized=quantized)
+            assert data == sparse.encode(flat, quantized=quantized) and data[8] == layout
+            idx, values = sparse.decode(data, flat.numel(), flat.numel(), quantized=quantized)
+            assert torch.equal(idx, torch.nonzero(flat, as_tuple=True)[0]) and torch.equal(values, flat[idx])
+
+
 def test_quantize_keeps_8_bits_per_block_exactly_and_is_its_own_fixed_point():
     g = torch.Generator().manual_seed(2)
     x = sparse.top_k([torch.randn(3000, generator=g) * torch.logspace(-6, 2, 3000)], 0.2)[0]

@@ -147,7 +147,7 @@ class SparseGatherAverager(CommittingGradientAverager):
         if runner_slot is not None and not runner_slot.done():
             runner_slot.set_result(None)
         total, limit = self._limits
-        own = sparse.encode(_flat(tensors), quantized=True)
+        own = sparse.encode(tensors, quantized=True)
         weight = float(weight)
 
         round_ = _Round(group_info.peer_ids, my_plan, weight, own)
@@ -272,7 +272,3 @@ class SparseGatherAverager(CommittingGradientAverager):
             if size > self._max_payload_bytes:
                 raise _TooLarge()
         await round_.put(caller, float(first.weight), b"".join(chunks))
-
-
-def _flat(tensors) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).float() for t in tensors])

@@ -110,37 +110,52 @@ def _dequantize(e: np.ndarray, q: np.ndarray) -> np.ndarray:
 
 @torch.no_grad()
 def quantize(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """`tensors` with their non-zero values as a payload carries them (blocks in the flat order of the list)."""
-    flat = torch.cat([t.detach().reshape(-1).float() for t in tensors]).numpy()
-    idx = np.flatnonzero(flat)
-    out = np.zeros_like(flat)
-    out[idx] = _dequantize(*_quantize_values(flat[idx]))
+    """`tensors` with their non-zero values as a payload carries them (blocks in the flat order of the list). Only
+    the kept values are gathered into one array, never the whole model (a round's offer is a small fraction of it)."""
+    parts = [t.detach().reshape(-1).float().numpy() for t in tensors]
+    positions = [np.flatnonzero(part) for part in parts]
+    values = _dequantize(*_quantize_values(np.concatenate([part[i] for part, i in zip(parts, positions)])))
     result, offset = [], 0
-    for t in tensors:
-        result.append(torch.from_numpy(out[offset:offset + t.numel()].copy()).view_as(t).to(t.dtype))
-        offset += t.numel()
+    for t, part, idx in zip(tensors, parts, positions):
+        out = np.zeros_like(part)
+        out[idx] = values[offset:offset + idx.size]
+        result.append(torch.from_numpy(out).view_as(t).to(t.dtype))
+        offset += idx.size
     return result
 
 
-def encode(flat: torch.Tensor, quantized: bool = False) -> bytes:
-    """The non-zero elements of a flat fp32 tensor as a payload; `quantized`: 8-bit values (`quantize`; a node's
-    offer is quantized before it is offered, so this changes nothing of it and the error is in its feedback)."""
-    flat = flat.detach().reshape(-1).to(torch.float32)
-    total = flat.numel()
-    idx = torch.nonzero(flat, as_tuple=True)[0].numpy()
-    values = flat.numpy()[idx]
+def encode(flat, quantized: bool = False) -> bytes:
+    """The non-zero elements of a flat fp32 tensor, or of a sequence of tensors in their flat order, as a payload;
+    `quantized`: 8-bit values (`quantize`; a node's offer is quantized before it is offered, so this changes nothing
+    of it and the error is in its feedback). The tensors are read one at a time: besides the payload, it holds a
+    byte per element (the positions) and the kept values, not a copy of the model."""
+    parts = [flat] if isinstance(flat, torch.Tensor) else list(flat)
+    parts = [t.detach().reshape(-1).to(torch.float32).numpy() for t in parts]
+    total = sum(part.size for part in parts)
+    marks = np.empty(total, dtype=bool)
+    offset = 0
+    for part in parts:
+        np.not_equal(part, 0, out=marks[offset:offset + part.size])
+        offset += part.size
+    count = int(np.count_nonzero(marks))
+    values = np.empty(count, dtype="<f4")
+    offset = 0
+    for part in parts:
+        kept_here = part[part != 0]
+        values[offset:offset + kept_here.size] = kept_here
+        offset += kept_here.size
     if quantized:
         e, q = _quantize_values(values)
-        wire = e.tobytes() + q.tobytes()
+        wire = [e, q]
     else:
-        wire = values.astype("<f4").tobytes()
-    if (total + 7) // 8 < 4 * idx.size:
-        mask = np.zeros(total, dtype=bool)
-        mask[idx] = True
-        layout, positions = BITMASK, np.packbits(mask, bitorder="little").tobytes()
+        wire = [values]
+    if (total + 7) // 8 < 4 * count:
+        layout, positions = BITMASK, np.packbits(marks, bitorder="little")
     else:
-        layout, positions = INDICES, idx.astype("<u4").tobytes()
-    return HEADER.pack(MAGIC, idx.size, layout, I8 if quantized else F32) + positions + wire
+        layout, positions = INDICES, np.flatnonzero(marks).astype("<u4")
+    del marks
+    header = HEADER.pack(MAGIC, count, layout, I8 if quantized else F32)
+    return b"".join([header, memoryview(positions).cast("B"), *(memoryview(w).cast("B") for w in wire)])
 
 
 def decode(data: bytes, total: int, limit: int, quantized: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
