@@ -37,6 +37,23 @@ def test_the_log_keeps_the_last_rounds_and_answers_without_gaps():
     assert len(log) == 0 and log.after(3, 10) == []
 
 
+def test_the_log_keeps_no_more_bytes_of_rounds_than_it_is_given():
+    # a replay of more bytes than the state's is never asked for: the log holds the newest rounds within the bound
+    size = len(payload(1))
+    log = roundlog.RoundLog(max_rounds=16, max_bytes=3 * size)
+    for epoch in range(1, 6):
+        log.add(epoch, payload(epoch))
+    assert [e for e, _ in log.after(2, 10)] == [3, 4, 5] and log.bytes == 3 * size
+    log.add(2, payload(2))  # went back: the count starts again too
+    assert len(log) == 1 and log.bytes == size
+
+
+def test_an_answer_goes_out_in_bounded_pieces_that_join_to_the_frame():
+    rounds = [(5, payload(5, count=200)), (6, payload(6, count=200))]
+    pieces = list(roundlog.frames(rounds, chunk=100))
+    assert b"".join(pieces) == roundlog.frame(rounds) and max(map(len, pieces)) == 100
+
+
 def test_frames_round_trip_and_every_malformed_answer_is_refused():
     rounds = [(5, payload(5)), (6, payload(6)), (7, payload(7))]
     data = roundlog.frame(rounds)

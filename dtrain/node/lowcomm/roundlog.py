@@ -21,7 +21,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from typing import AsyncIterator, NamedTuple, Optional, Sequence
+from typing import AsyncIterator, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 from google.protobuf import wrappers_pb2
@@ -63,20 +63,24 @@ def entry_limit(sizes: Sequence[int], fraction: float) -> int:
 
 
 class RoundLog:
-    """The averages of this node's last clean outer rounds, by the epoch each one made (thread-safe)."""
+    """The averages of this node's last clean outer rounds, by the epoch each one made (thread-safe): at most
+    `max_rounds`, and the newest rounds whose payloads fit in `max_bytes` (a node behind by more bytes of rounds
+    than the state's downloads the state instead, so an older round would be held for nobody)."""
 
-    def __init__(self, max_rounds: int = MAX_ROUNDS):
+    def __init__(self, max_rounds: int = MAX_ROUNDS, max_bytes: Optional[int] = None):
         self._rounds: OrderedDict[int, bytes] = OrderedDict()
-        self._max = max_rounds
+        self._max, self._max_bytes = max_rounds, max_bytes
+        self._bytes = 0
         self._lock = threading.Lock()
 
     def add(self, epoch: int, average: bytes) -> None:
         with self._lock:
             if self._rounds and epoch <= next(reversed(self._rounds)):
-                self._rounds.clear()  # the node went back (a download of an older epoch): the log starts again
+                self._clear()  # the node went back (a download of an older epoch): the log starts again
             self._rounds[epoch] = average
-            while len(self._rounds) > self._max:
-                self._rounds.popitem(last=False)
+            self._bytes += len(average)
+            while len(self._rounds) > self._max or (self._max_bytes is not None and self._bytes > self._max_bytes):
+                self._bytes -= len(self._rounds.popitem(last=False)[1])
 
     def after(self, epoch: int, count: int) -> list[tuple[int, bytes]]:
         """Rounds epoch+1, epoch+2, ... up to `count` of them, as far as the log holds them without a gap."""
@@ -90,15 +94,33 @@ class RoundLog:
 
     def clear(self) -> None:
         with self._lock:
-            self._rounds.clear()
+            self._clear()
+
+    def _clear(self) -> None:
+        self._rounds.clear()
+        self._bytes = 0
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._rounds)
 
+    @property
+    def bytes(self) -> int:
+        with self._lock:
+            return self._bytes
+
 
 def frame(rounds: Sequence[tuple[int, bytes]]) -> bytes:
-    return b"".join(FRAME.pack(epoch, len(data)) + data for epoch, data in rounds)
+    return b"".join(frames(rounds))
+
+
+def frames(rounds: Sequence[tuple[int, bytes]], chunk: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """The answer for `rounds` in pieces of at most `chunk` bytes, without a copy of the whole answer (GPT-2
+    small's round is about 200 MB)."""
+    for epoch, data in rounds:
+        yield FRAME.pack(epoch, len(data))
+        for i in range(0, len(data), chunk):
+            yield data[i:i + chunk]
 
 
 class Round(NamedTuple):
@@ -140,9 +162,8 @@ def handler(log: RoundLog):
         if len(request.value) != REQUEST.size:
             return
         after, count = REQUEST.unpack(request.value)
-        data = frame(log.after(after, count))
-        for i in range(0, len(data), CHUNK_BYTES):
-            yield wrappers_pb2.BytesValue(value=data[i:i + CHUNK_BYTES])
+        for piece in frames(log.after(after, count)):
+            yield wrappers_pb2.BytesValue(value=piece)
     return serve
 
 
@@ -189,10 +210,10 @@ class CatchUp:
     node.swarm.optimizer.Swarm, `agreement` its node.swarm.agreement.Agreement."""
 
     def __init__(self, swarm, agreement, model: torch.nn.Module, fraction: float):
-        self.log = RoundLog()
         self._swarm, self._agreement, self._model = swarm, agreement, model
         self._params = list(model.parameters())
         self._total = sum(p.numel() for p in self._params)
+        self.log = RoundLog(max_bytes=int(STATE_BYTES_PER_ELEMENT * self._total))
         self._limit = entry_limit([p.numel() for p in self._params], fraction)
         self._fraction = fraction
         self._pending: Optional[bytes] = None
@@ -208,7 +229,7 @@ class CatchUp:
         if getattr(opt.state_averager.optimizer, "passthrough", False):
             self._pending = None
             return
-        self._pending = sparse.encode(torch.cat([p.grad.detach().reshape(-1) for p in self._params]))
+        self._pending = sparse.encode([p.grad for p in self._params])
 
     def record(self, outcome) -> None:
         """After an outer update: keep what it applied under the epoch it made."""
