@@ -68,6 +68,19 @@ def test_a_model_as_its_tensors_encodes_to_the_bytes_of_its_flat_concatenation()
             assert torch.equal(idx, torch.nonzero(flat, as_tuple=True)[0]) and torch.equal(values, flat[idx])
 
 
+def test_quantizing_in_chunks_gives_the_bits_of_one_pass(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(s, generator=g) * 10.0 ** torch.randint(-6, 6, s, generator=g) for s in [(500,), (333,)]]
+    kept = sparse.top_k(tensors, 0.7)
+    whole = sparse.quantize(kept)
+    data = sparse.encode(whole, quantized=True)
+    monkeypatch.setattr(sparse, "CHUNK", 2 * sparse.BLOCK)  # 583 kept values: 5 chunks, the last one short
+    assert all(torch.equal(a, b) for a, b in zip(whole, sparse.quantize(kept)))
+    assert sparse.encode(whole, quantized=True) == data
+    idx, values = sparse.decode(data, 833, 833, quantized=True)
+    assert torch.equal(values, torch.cat(whole)[idx])
+
+
 def test_quantize_keeps_8_bits_per_block_exactly_and_is_its_own_fixed_point():
     g = torch.Generator().manual_seed(2)
     x = sparse.top_k([torch.randn(3000, generator=g) * torch.logspace(-6, 2, 3000)], 0.2)[0]

@@ -87,8 +87,18 @@ def top_k(tensors: Sequence[torch.Tensor], fraction: float) -> list[torch.Tensor
     return out
 
 
+CHUNK = BLOCK * 16384  # values quantized at once: blocks are independent, so chunks bound the float64 temporaries
+
+
 def _quantize_values(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(exponent per block, int8 per value) of fp32 `values`, all non-zero."""
+    if values.size > CHUNK:
+        parts = [_quantize_chunk(values[i:i + CHUNK]) for i in range(0, values.size, CHUNK)]
+        return np.concatenate([e for e, _ in parts]), np.concatenate([q for _, q in parts])
+    return _quantize_chunk(values)
+
+
+def _quantize_chunk(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     blocks = -(-values.size // BLOCK)
     padded = np.zeros(blocks * BLOCK, np.float32)
     padded[:values.size] = np.abs(values)
@@ -105,7 +115,12 @@ def _quantize_values(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _dequantize(e: np.ndarray, q: np.ndarray) -> np.ndarray:
-    return np.ldexp(q.astype(np.float32), np.repeat(e.astype(np.int32), BLOCK)[:q.size]).astype(np.float32)
+    out = np.empty(q.size, np.float32)
+    for i in range(0, q.size, CHUNK):
+        chunk = q[i:i + CHUNK]
+        exponents = np.repeat(e[i // BLOCK:(i + CHUNK) // BLOCK].astype(np.int32), BLOCK)[:chunk.size]
+        out[i:i + chunk.size] = np.ldexp(chunk.astype(np.float32), exponents)
+    return out
 
 
 @torch.no_grad()
