@@ -117,3 +117,13 @@ def test_a_node_replays_only_while_the_rounds_cost_less_than_the_state():
     assert per_round == pytest.approx(1 / 8 + 4 * 0.6)
     assert 3 * per_round < roundlog.STATE_BYTES_PER_ELEMENT <= 4 * per_round
     assert roundlog.replay_bytes_per_element(10, 0.2) == pytest.approx(1 / 8 + 4.0)  # never more than dense
+
+
+def test_an_answer_may_take_what_its_rounds_need_at_the_link():
+    gpt2_small = 124_046_592
+    one_round = roundlog.fetch_timeout(1, 2, 0.2, gpt2_small, link_mbit=20.0)
+    # 214 MB (two members' top-20% union: 1/8 + 4 x 0.4 bytes per element) at 20 Mbit/s, x3
+    assert one_round.seconds == pytest.approx(3 * 1.725 * gpt2_small * 8 / 20e6)
+    assert roundlog.fetch_timeout(2, 2, 0.2, gpt2_small, 20.0).seconds == pytest.approx(2 * one_round.seconds)
+    assert roundlog.fetch_timeout(1, 2, 0.2, 1_600_000, 20.0).seconds == roundlog.FETCH_TIMEOUT_S  # the floor
+    assert roundlog.fetch_timeout(1, 2, 0.2, gpt2_small, 0.0).seconds == roundlog.FETCH_TIMEOUT_S  # no rate known

@@ -29,6 +29,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.utils.logging import get_logger
 
 from dtrain.node.lowcomm import sparse
+from dtrain.node.lowcomm.deadline import Deadline, round_deadline
 from dtrain.node.snapshot import params_digest
 from dtrain.node.swarm.agreement import reference_of
 
@@ -39,7 +40,7 @@ MAX_ROUNDS = 16  # rounds a node keeps, and the most a node behind replays
 MAX_GROUP = 16  # members of a round whose average a log entry may carry (a larger group's is refused: download)
 CHUNK_BYTES = 1 << 20
 MAX_DONORS = 3  # peers asked for their log before the node downloads the state instead
-FETCH_TIMEOUT_S = 120.0  # one answer: a few rounds' averages, at a home uplink's rate
+FETCH_TIMEOUT_S = 120.0  # the least one answer may take; more when its bytes need it at --link-mbit
 REQUEST = struct.Struct("<QI")  # the last epoch the asker holds, how many rounds it wants after it
 FRAME = struct.Struct("<QI")  # a round's epoch, its payload's bytes
 
@@ -55,6 +56,13 @@ def replay_bytes_per_element(peers: int, fraction: float) -> float:
     """Bytes per model element of one round's average in the log, at most: `peers` payloads' positions, f32 values."""
     density = min(1.0, peers * fraction)
     return min(4 * density, 1 / 8) + 4 * density
+
+
+def fetch_timeout(count: int, peers: int, fraction: float, total: int, link_mbit: float) -> Deadline:
+    """How long an answer of `count` rounds may take: 3x their bytes at `link_mbit`, never under FETCH_TIMEOUT_S.
+    (GPT-2 small's round is about 200 MB: 80 s at 20 Mbit/s on an idle uplink, more while the donor's uplink also
+    carries its own round; a fixed 120 s cut it, and the node downloaded the whole state instead.)"""
+    return round_deadline(count * replay_bytes_per_element(peers, fraction) * total, FETCH_TIMEOUT_S, link_mbit)
 
 
 def entry_limit(sizes: Sequence[int], fraction: float) -> int:
@@ -209,7 +217,8 @@ class CatchUp:
     updates before it were this node's, not necessarily the swarm's. `swarm` is the node's
     node.swarm.optimizer.Swarm, `agreement` its node.swarm.agreement.Agreement."""
 
-    def __init__(self, swarm, agreement, model: torch.nn.Module, fraction: float):
+    def __init__(self, swarm, agreement, model: torch.nn.Module, fraction: float, link_mbit: float = 0.0):
+        self._link_mbit = link_mbit
         self._swarm, self._agreement, self._model = swarm, agreement, model
         self._params = list(model.parameters())
         self._total = sum(p.numel() for p in self._params)
@@ -267,15 +276,16 @@ class CatchUp:
         count, digest = want - have, found[1].digest
         donors = [peer for peer, r in records.items()
                   if r.digest == digest and not r.client and peer != self._swarm.peer_id][:MAX_DONORS]
+        timeout = fetch_timeout(count, peers, self._fraction, self._total, self._link_mbit)
         for donor in donors:
             began = time.monotonic()
             try:
                 data = self._swarm.service.run(fetch(
                     self._swarm.service.p2p, PeerID.from_base58(donor), have, count,
-                    max_answer_bytes(count, self._total, self._limit), FETCH_TIMEOUT_S), FETCH_TIMEOUT_S + 5.0)
+                    max_answer_bytes(count, self._total, self._limit), timeout.seconds), timeout.seconds + 5.0)
                 rounds = unframe(data, have, count, self._total, self._limit)
             except Exception as e:  # no answer, a timeout, a malformed log: the next donor, then the download
-                logger.info(f"No round log from {donor}: {e!r}")
+                logger.info(f"No round log from {donor} (within {timeout.seconds:.0f}s, from {timeout.why}): {e!r}")
                 continue
             if len(rounds) != count:
                 logger.info(f"{donor} holds {len(rounds)} of the {count} rounds after epoch {have}")

@@ -320,7 +320,7 @@ class TrainingNode:
                                       published=lambda: self._snapshot.f32 if self._snapshot is not None else None)
             opt.tracker.round_due = lambda: self.outer_rounds.round_due
             if fraction is not None:  # every node computes the same outer step: a node behind may replay rounds
-                self.catchup = CatchUp(swarm, self.agreement, self.model, fraction)
+                self.catchup = CatchUp(swarm, self.agreement, self.model, fraction, cfg.swarm.link_mbit)
                 if cfg.swarm.state_donors > 0 and not swarm.client_mode:  # nobody can dial a client-mode peer
                     self.donor = RangeDonor(self.total_params, swarm.service)
         snap = make_snapshot(self.model, opt.local_epoch)
