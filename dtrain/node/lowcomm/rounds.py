@@ -123,11 +123,14 @@ class InnerRounds:
         if compress is not None and compress != self._compress:
             self._compress, self._offer = compress, None
         if self._offer is None:
-            delta = self.pseudo_gradient()
             if self._compress and self.feedback is not None:
-                with torch.no_grad():
-                    delta = sparse.quantize(sparse.top_k([e + d for e, d in zip(self.feedback, delta)], self.fraction))
-            self._offer = delta
+                with torch.no_grad():  # tensor by tensor: the model's pseudo-gradient is never held whole
+                    current = self._inner if self.in_outer else [p.detach() for p in self.params]
+                    kept = [sparse.top_k([e + (a - q)], self.fraction)[0]
+                            for e, a, q in zip(self.feedback, self.anchor, current)]
+                    self._offer = sparse.quantize_(kept)
+            else:
+                self._offer = self.pseudo_gradient()
         return self._offer
 
     def enter_outer(self) -> None:

@@ -125,18 +125,23 @@ def _dequantize(e: np.ndarray, q: np.ndarray) -> np.ndarray:
 
 @torch.no_grad()
 def quantize(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """`tensors` with their non-zero values as a payload carries them (blocks in the flat order of the list). Only
-    the kept values are gathered into one array, never the whole model (a round's offer is a small fraction of it)."""
-    parts = [t.detach().reshape(-1).float().numpy() for t in tensors]
+    """`tensors` with their non-zero values as a payload carries them (blocks in the flat order of the list)."""
+    out = quantize_([t.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True) for t in tensors])
+    return [q.to(t.dtype) for q, t in zip(out, tensors)]
+
+
+@torch.no_grad()
+def quantize_(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`quantize` in place on fp32 tensors (returns them). Only the kept values are gathered into one array, never
+    the whole model (a round's offer is a small fraction of it)."""
+    parts = [t.view(-1).numpy() for t in tensors]
     positions = [np.flatnonzero(part) for part in parts]
     values = _dequantize(*_quantize_values(np.concatenate([part[i] for part, i in zip(parts, positions)])))
-    result, offset = [], 0
-    for t, part, idx in zip(tensors, parts, positions):
-        out = np.zeros_like(part)
-        out[idx] = values[offset:offset + idx.size]
-        result.append(torch.from_numpy(out).view_as(t).to(t.dtype))
+    offset = 0
+    for part, idx in zip(parts, positions):
+        part[idx] = values[offset:offset + idx.size]
         offset += idx.size
-    return result
+    return list(tensors)
 
 
 def encode(flat, quantized: bool = False) -> bytes:
