@@ -184,6 +184,12 @@ def test_the_average_is_the_weighted_mean_and_the_same_bits_every_time():
         sparse.average(payloads, [1.0, -1.0, 1.0], 5000)
     with pytest.raises(ValueError):
         sparse.average(payloads, [1.0, float("nan"), 1.0], 5000)
+    # decoded one at a time, as a round does: the same bits; every payload counted against the weights
+    lazy = (sparse.decode(sparse.encode(f), 5000, sparse.kept(5000, 0.05)) for f in flats)
+    assert sparse.average(lazy, weights, 5000).numpy().tobytes() == avg.numpy().tobytes()
+    for short_or_long in (payloads[:2], payloads + payloads[:1]):
+        with pytest.raises(ValueError, match="one weight per payload"):
+            sparse.average(iter(short_or_long), weights, 5000)
 
 
 def test_sparse_round_bytes_are_a_small_fraction_of_the_dense_ones():

@@ -172,8 +172,8 @@ class SparseGatherAverager(CommittingGradientAverager):
             asyncio.get_event_loop().call_later(2 * REGISTER_WAIT_S, self._rounds.pop, group_id, None)
 
         try:
-            decoded = [sparse.decode(round_.payloads[peer][1], total, limit, quantized=True)
-                       for peer in group_info.peer_ids]
+            decoded = (sparse.decode(round_.payloads[peer][1], total, limit, quantized=True)
+                       for peer in group_info.peer_ids)  # one member's at a time
             average = sparse.average(decoded, [round_.payloads[peer][0] for peer in group_info.peer_ids], total)
         except ValueError as e:
             return gathered, f"a payload was refused: {e}"

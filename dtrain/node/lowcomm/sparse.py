@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -224,18 +224,25 @@ def decode(data: bytes, total: int, limit: int, quantized: bool = False) -> tupl
     return torch.from_numpy(idx.astype(np.int64, copy=False)), torch.from_numpy(values)
 
 
-def average(payloads: Sequence[tuple[torch.Tensor, torch.Tensor]], weights: Sequence[float],
+def average(payloads: Iterable[tuple[torch.Tensor, torch.Tensor]], weights: Sequence[float],
             total: int) -> torch.Tensor:
     """The weighted mean of decoded payloads as a flat fp32 tensor: the same bits for the same payloads, weights and
-    order on every machine (one element-wise pass per payload, in the given order)."""
-    if len(payloads) != len(weights) or not payloads:
+    order on every machine (one element-wise pass per payload, in the given order). `payloads` may be a generator
+    that decodes each one as it comes: a round then holds one member's indices and values at a time, not all."""
+    weights = list(weights)
+    if not weights:
         raise ValueError("one weight per payload, at least one payload")
     if not all(math.isfinite(w) and w >= 0 for w in weights):
-        raise ValueError(f"weights must be finite and >= 0, got {list(weights)}")
+        raise ValueError(f"weights must be finite and >= 0, got {weights}")
     norm = float(sum(weights))
     out = torch.zeros(total, dtype=torch.float32)
-    if norm == 0:
-        return out
-    for (idx, values), w in zip(payloads, weights):
-        out.index_add_(0, idx, values * np.float32(w / norm))
+    count = 0
+    for idx, values in payloads:  # every payload is read (and checked, when decoded here) even if norm is 0
+        if count == len(weights):
+            raise ValueError("one weight per payload, more payloads than weights")
+        if norm:
+            out.index_add_(0, idx, values * np.float32(weights[count] / norm))
+        count += 1
+    if count != len(weights):
+        raise ValueError(f"one weight per payload: {count} payloads for {len(weights)} weights")
     return out
