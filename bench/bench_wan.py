@@ -19,6 +19,11 @@ With --late-joiner the last node is not waited for: it starts once the others ha
 its row gives the seconds from its start to serving the swarm's bytes of a step (its download, catch-up and
 checks) and how many updates it then made with the swarm. Its bytes and samples count from its start.
 
+A node that dies fails the run with its exit status, the kernel's OOM line if the OOM killer ended it, and its log
+tail. Every 2 s the bench samples the machine's available memory and each node's PSS (its process tree); the row
+gives the lowest available memory and the largest node, and the run stops with every node's PSS when the machine
+falls under --min-available-gb (before the OOM killer picks a process, possibly another user's).
+
 Runs as root (namespaces), under the heavy lock:
     flock /tmp/dtrain-heavy.lock .venv/bin/python bench/bench_wan.py --rates unlimited,20 --samples 3000
 """
@@ -27,8 +32,10 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -41,6 +48,7 @@ from dtrain.node.assets import tokenizer_files  # noqa: E402
 from dtrain.node.config import ModelConfig  # noqa: E402
 from dtrain.node.model import build_model  # noqa: E402
 from dtrain.node.tokenizer import load_tokenizer  # noqa: E402
+from bench.bench_memory import GIB, pss_bytes  # noqa: E402
 from tests.netns import Net, unavailable_reason  # noqa: E402
 from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, wait_until  # noqa: E402
 from tests.swarmcheck import ByteWatch, tensor_f32  # noqa: E402
@@ -100,17 +108,115 @@ def gave_up(nodes: list[NodeProcess]) -> int:
     return sum(len(GAVE_UP.findall(node.output())) for node in nodes)
 
 
-def join_late(joiner: NodeProcess, nodes: list[NodeProcess], started: float, timeout_s: float) -> float:
-    """Seconds from the joiner's start until it serves, for a step, the bytes another node serves for that step."""
-    def caught_up() -> bool:
+class NodeDied(RuntimeError):
+    """A node of the run exited."""
+
+
+def killed_by_oom(pid: int) -> str:
+    """The kernel's line if its OOM killer ended `pid`, else ""."""
+    try:
+        log = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return next((line.strip() for line in log.splitlines() if f"Killed process {pid} " in line), "")
+
+
+def check_alive(nodes: list[NodeProcess], settle_s: float = 3.0) -> None:
+    """NodeDied, with the node's exit status and log tail, if one of `nodes` has exited (or exits within
+    `settle_s`: a refused connection can come before the process is reaped)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        for node in nodes:
+            if node.proc.poll() is not None:
+                oom = killed_by_oom(node.proc.pid)
+                raise NodeDied(f"{node.name} exited with {node.proc.returncode}" + (f" ({oom})" if oom else "")
+                               + f"; its log ends:\n{node.output()[-6000:]}")
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.5)
+
+
+def polled(nodes: list[NodeProcess], fn, memory: "MemoryWatch"):
+    """fn(), where fn asks the nodes over HTTP: a request that fails because the memory watch stopped the nodes
+    raises MemoryError, because a node died NodeDied."""
+    try:
+        return fn()
+    except OSError:
+        memory.check()
+        check_alive(nodes)
+        raise
+
+
+class MemoryWatch:
+    """Samples MemAvailable and every node's PSS; stops the run when the machine runs short."""
+
+    def __init__(self, nodes: list[NodeProcess], min_available_gb: float, interval_s: float = 2.0):
+        self.nodes, self.min_bytes, self.interval_s = nodes, min_available_gb * GIB, interval_s
+        self.lowest = math.inf  # MemAvailable, bytes
+        self.peak: dict[str, int] = {}  # node name -> largest PSS of its process tree, bytes
+        self.short = ""  # set when the machine fell under the floor: every node's PSS then
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "MemoryWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    @staticmethod
+    def available() -> int:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            sizes = {n.name: pss_bytes(n.proc.pid) for n in list(self.nodes) if n.proc.poll() is None}
+            for name, size in sizes.items():
+                self.peak[name] = max(self.peak.get(name, 0), size)
+            free = self.available()
+            self.lowest = min(self.lowest, free)
+            if free < self.min_bytes and not self.short:
+                self.short = (f"{free / GIB:.1f} GiB available, under {self.min_bytes / GIB:g}; nodes' PSS: "
+                              + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in sizes.items()))
+                for node in list(self.nodes):
+                    node.kill()
+
+    def check(self) -> None:
+        if self.short:
+            raise MemoryError(f"the machine ran short of memory: {self.short}")
+
+
+def join_late(joiner: NodeProcess, nodes: list[NodeProcess], started: float, timeout_s: float,
+              memory: MemoryWatch) -> float:
+    """Seconds from the joiner's start until it serves, for a step, the bytes another node serves for that step:
+    the status's (step, digest) polled, then the first two tensors' bytes compared (one read each: the token
+    embedding alone is 154 MB for GPT-2 small)."""
+    everyone = [joiner, *nodes]
+
+    def same_digest() -> bool:
+        memory.check()
+        mine = polled(everyone, joiner.status, memory)
+        return any(s["step"] == mine["step"] and s["params_sha256"] == mine["params_sha256"]
+                   for s in (polled(everyone, n.status, memory) for n in nodes))
+
+    def same_bytes() -> bool:
         for tid in (0, 1):
-            step, mine = tensor_f32(joiner, tid)
-            if not any(s == step and v.tobytes() == mine.tobytes() for s, v in (tensor_f32(n, tid) for n in nodes)):
+            step, mine = polled(everyone, lambda: tensor_f32(joiner, tid), memory)
+            if not any(s == step and v.tobytes() == mine.tobytes()
+                       for s, v in (polled(everyone, lambda: tensor_f32(n, tid), memory) for n in nodes)):
                 return False
         return True
+
     joiner.wait_ready(timeout_s)
-    wait_until(caught_up, timeout_s, f"{joiner.name} serving the swarm's bytes", 1.0)
-    return time.monotonic() - started
+    deadline = time.monotonic() + timeout_s
+    while True:
+        wait_until(same_digest, deadline - time.monotonic(), f"{joiner.name} serving the swarm's digest", 1.0)
+        took = time.monotonic() - started
+        if same_bytes():  # else a node stepped between the reads: the next step's
+            return took
 
 
 def run(mode: str, rate, args, paths: list[Path], held_tokens: np.ndarray) -> dict:
@@ -119,7 +225,7 @@ def run(mode: str, rate, args, paths: list[Path], held_tokens: np.ndarray) -> di
               "64", *MODES[mode], "--inner-steps", str(args.inner_steps), "--topk-fraction", str(args.topk_fraction),
               *NODE_TIMEOUTS]
     run_id, nodes, join_s = new_run_id(), [], None
-    with Net() as net:
+    with Net() as net, MemoryWatch(nodes, args.min_available_gb) as memory:
         hosts = [net.host(f"n{i}", rate_mbit=rate) for i in range(args.peers)]
 
         def start(i: int) -> NodeProcess:
@@ -138,37 +244,45 @@ def run(mode: str, rate, args, paths: list[Path], held_tokens: np.ndarray) -> di
                 start(i)
             for node in nodes:
                 node.wait_ready(600)
+
+            def statuses() -> list[dict]:
+                memory.check()
+                return [polled(nodes, n.status, memory) for n in nodes]
+
+            def next_update() -> None:
+                first = max(s["step"] for s in statuses()) + 1
+                wait_until(lambda: min(s["step"] for s in statuses()) >= first, args.seconds, "a first update")
+
             if args.late_joiner:
-                first = max(n.status()["step"] for n in nodes) + 1
-                wait_until(lambda: min(n.status()["step"] for n in nodes) >= first, args.seconds, "a first update")
+                next_update()
                 started = time.monotonic()
                 joiner = start(founders)
-                join_s = join_late(joiner, nodes[:-1], started, args.seconds)
+                join_s = join_late(joiner, nodes[:-1], started, args.seconds, memory)
             # measured from the swarm's first update after every node is ready: the joiners' catch-up downloads
             # (a join's cost, not a round's) are left out of the bytes per sample
-            first = max(n.status()["step"] for n in nodes) + 1
-            wait_until(lambda: min(n.status()["step"] for n in nodes) >= first, args.seconds, "a first update")
+            next_update()
             sent0 = [tx_bytes(h) for h in hosts]
-            statuses = [n.status() for n in nodes]
-            applied0, step0 = sum(s["applied_samples"] for s in statuses), statuses[0]["step"]
+            now = statuses()
+            applied0, step0 = sum(s["applied_samples"] for s in now), now[0]["step"]
             began = time.monotonic()
             with ByteWatch(nodes, interval_s=0.5) as watch:
                 while time.monotonic() - began < args.seconds:
                     time.sleep(2.0)
-                    applied = sum(n.status()["applied_samples"] for n in nodes) - applied0
+                    applied = sum(s["applied_samples"] for s in statuses()) - applied0
                     if applied >= args.samples:
                         break
             elapsed = time.monotonic() - began
-            statuses = [n.status() for n in nodes]
-            applied = sum(s["applied_samples"] for s in statuses) - applied0
+            final = statuses()
+            applied = sum(s["applied_samples"] for s in final) - applied0
             sent = [tx_bytes(h) - s0 for h, s0 in zip(hosts, sent0)]
-            updates = statuses[0]["step"] - step0
+            updates = final[0]["step"] - step0
             loss = held_out_loss(nodes[0], args.model_config, held_tokens)
             return dict(mode=mode, rate="unlimited" if rate is None else f"{rate:g}", updates=updates,
-                        gave_up=gave_up(nodes), join_s=join_s, joiner_updates=statuses[-1]["updates"],
+                        gave_up=gave_up(nodes), join_s=join_s, joiner_updates=final[-1]["updates"],
                         s_per_update=elapsed / updates if updates else math.inf,
                         mb_per_1000=np.mean(sent) / 1e6 * 1000 / max(applied, 1), samples_per_s=applied / elapsed,
-                        loss=loss, samples=applied, split_s=watch.split_s, conflicts=len(watch.conflicts))
+                        loss=loss, samples=applied, split_s=watch.split_s, conflicts=len(watch.conflicts),
+                        lowest_available_gib=memory.lowest / GIB, largest_node_gib=max(memory.peak.values()) / GIB)
         finally:
             for node in nodes:
                 node.kill()
@@ -191,6 +305,8 @@ def main() -> None:
     parser.add_argument("--late-joiner", action="store_true",
                         help="the last node joins once the others have made their first update")
     parser.add_argument("--keep-logs", action="store_true")
+    parser.add_argument("--min-available-gb", type=float, default=1.5,
+                        help="stop the run when the machine's available memory falls under this")
     args = parser.parse_args()
     if unknown := set(args.modes.split(",")) - MODES.keys():
         parser.error(f"unknown modes {sorted(unknown)}; known: {sorted(MODES)}")
@@ -214,13 +330,13 @@ def main() -> None:
           f"starts from: {held_out_loss(None, args.model_config, held_tokens):.3f}\n")
     joiner = " | late joiner: s to the swarm's bytes | its updates" if args.late_joiner else ""
     print("| mode | Mbit/s | s/update | MB sent/node/1k samples | swarm samples/s | held-out loss | samples "
-          f"| longest split (s) | rounds given up{joiner} |")
-    print("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if args.late_joiner else ""))
+          f"| longest split (s) | rounds given up | lowest available GiB | largest node GiB{joiner} |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if args.late_joiner else ""))
     for r in rows:
         late = f" | {r['join_s']:.0f} | {r['joiner_updates']}" if args.late_joiner else ""
         print(f"| {r['mode']} | {r['rate']} | {r['s_per_update']:.2f} | {r['mb_per_1000']:.2f} | "
               f"{r['samples_per_s']:.1f} | {r['loss']:.3f} | {r['samples']} | {r['split_s']:.1f} | "
-              f"{r['gave_up']}{late} |")
+              f"{r['gave_up']} | {r['lowest_available_gib']:.1f} | {r['largest_node_gib']:.2f}{late} |")
 
 
 if __name__ == "__main__":
