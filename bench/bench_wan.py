@@ -20,7 +20,7 @@ its row gives the seconds from its start to serving the swarm's bytes of a step 
 checks) and how many updates it then made with the swarm. Its bytes and samples count from its start.
 
 A node that dies fails the run with its exit status, the kernel's OOM line if the OOM killer ended it, and its log
-tail. Every 2 s the bench samples the machine's available memory and each node's PSS (its process tree); the row
+tail. Every second the bench samples the machine's available memory and each node's PSS (its process tree); the row
 gives the lowest available memory and the largest node, and the run stops with every node's PSS when the machine
 falls under --min-available-gb (before the OOM killer picks a process, possibly another user's).
 
@@ -30,6 +30,7 @@ Runs as root (namespaces), under the heavy lock:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import re
 import subprocess
@@ -37,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Optional
 
@@ -150,7 +152,7 @@ def polled(nodes: list[NodeProcess], fn, memory: "MemoryWatch"):
 class MemoryWatch:
     """Samples MemAvailable and every node's PSS; stops the run when the machine runs short."""
 
-    def __init__(self, nodes: list[NodeProcess], min_available_gb: float, interval_s: float = 2.0):
+    def __init__(self, nodes: list[NodeProcess], min_available_gb: float, interval_s: float = 1.0):
         self.nodes, self.min_bytes, self.interval_s = nodes, min_available_gb * GIB, interval_s
         self.lowest = math.inf  # MemAvailable, bytes
         self.peak: dict[str, int] = {}  # node name -> largest PSS of its process tree, bytes
@@ -189,11 +191,22 @@ class MemoryWatch:
             raise MemoryError(f"the machine ran short of memory: {self.short}")
 
 
+def tensor_sha256(node: NodeProcess, tensor_id: int) -> tuple[int, str]:
+    """(step, sha256 of the f32 bytes) a node serves for a tensor, read in 1 MiB pieces (not held whole)."""
+    def read():
+        digest = hashlib.sha256()
+        with urllib.request.urlopen(f"{node.url}/api/v1/model/tensor/{tensor_id}?format=f32", timeout=30) as r:
+            while piece := r.read(1 << 20):
+                digest.update(piece)
+            return int(r.headers["X-Model-Step"]), digest.hexdigest()
+    return node.in_netns(read)
+
+
 def join_late(joiner: NodeProcess, nodes: list[NodeProcess], started: float, timeout_s: float,
               memory: MemoryWatch) -> float:
     """Seconds from the joiner's start until it serves, for a step, the bytes another node serves for that step:
-    the status's (step, digest) polled, then the first two tensors' bytes compared (one read each: the token
-    embedding alone is 154 MB for GPT-2 small)."""
+    the status's (step, digest) polled, then the first two tensors' bytes compared (one read each, hashed as they
+    come: the token embedding alone is 154 MB for GPT-2 small)."""
     everyone = [joiner, *nodes]
 
     def same_digest() -> bool:
@@ -204,14 +217,13 @@ def join_late(joiner: NodeProcess, nodes: list[NodeProcess], started: float, tim
 
     def same_bytes() -> bool:
         for tid in (0, 1):
-            step, mine = polled(everyone, lambda: tensor_f32(joiner, tid), memory)
-            if not any(s == step and v.tobytes() == mine.tobytes()
-                       for s, v in (polled(everyone, lambda: tensor_f32(n, tid), memory) for n in nodes)):
+            mine = polled(everyone, lambda: tensor_sha256(joiner, tid), memory)
+            if not any(polled(everyone, lambda: tensor_sha256(n, tid), memory) == mine for n in nodes):
                 return False
         return True
 
-    joiner.wait_ready(timeout_s)
     deadline = time.monotonic() + timeout_s
+    joiner.wait_ready(timeout_s)
     while True:
         wait_until(same_digest, deadline - time.monotonic(), f"{joiner.name} serving the swarm's digest", 1.0)
         took = time.monotonic() - started
@@ -257,7 +269,7 @@ def run(mode: str, rate, args, paths: list[Path], held_tokens: np.ndarray) -> di
                 next_update()
                 started = time.monotonic()
                 joiner = start(founders)
-                join_s = join_late(joiner, nodes[:-1], started, args.seconds, memory)
+                join_s = join_late(joiner, nodes[:-1], started, args.join_timeout, memory)
             # measured from the swarm's first update after every node is ready: the joiners' catch-up downloads
             # (a join's cost, not a round's) are left out of the bytes per sample
             next_update()
@@ -276,13 +288,19 @@ def run(mode: str, rate, args, paths: list[Path], held_tokens: np.ndarray) -> di
             applied = sum(s["applied_samples"] for s in final) - applied0
             sent = [tx_bytes(h) - s0 for h, s0 in zip(hosts, sent0)]
             updates = final[0]["step"] - step0
+            gave = gave_up(nodes)
+            for node in nodes[1:]:  # their memory back before the bench builds a model of its own for the loss
+                node.kill()
             loss = held_out_loss(nodes[0], args.model_config, held_tokens)
             return dict(mode=mode, rate="unlimited" if rate is None else f"{rate:g}", updates=updates,
-                        gave_up=gave_up(nodes), join_s=join_s, joiner_updates=final[-1]["updates"],
+                        gave_up=gave, join_s=join_s, joiner_updates=final[-1]["updates"],
                         s_per_update=elapsed / updates if updates else math.inf,
                         mb_per_1000=np.mean(sent) / 1e6 * 1000 / max(applied, 1), samples_per_s=applied / elapsed,
                         loss=loss, samples=applied, split_s=watch.split_s, conflicts=len(watch.conflicts),
                         lowest_available_gib=memory.lowest / GIB, largest_node_gib=max(memory.peak.values()) / GIB)
+        except Exception:
+            memory.check()  # the watch stopped the nodes: say so, not how a node's end was first noticed
+            raise
         finally:
             for node in nodes:
                 node.kill()
@@ -305,7 +323,9 @@ def main() -> None:
     parser.add_argument("--late-joiner", action="store_true",
                         help="the last node joins once the others have made their first update")
     parser.add_argument("--keep-logs", action="store_true")
-    parser.add_argument("--min-available-gb", type=float, default=1.5,
+    parser.add_argument("--join-timeout", type=float, default=1200.0,
+                        help="longest the late joiner may take to serve the swarm's bytes")
+    parser.add_argument("--min-available-gb", type=float, default=1.0,
                         help="stop the run when the machine's available memory falls under this")
     args = parser.parse_args()
     if unknown := set(args.modes.split(",")) - MODES.keys():
