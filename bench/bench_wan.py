@@ -22,7 +22,8 @@ checks) and how many updates it then made with the swarm. Its bytes and samples 
 A node that dies fails the run with its exit status, the kernel's OOM line if the OOM killer ended it, and its log
 tail. Every second the bench samples the machine's available memory and each node's PSS (its process tree); the row
 gives the lowest available memory and the largest node, and the run stops with every node's PSS when the machine
-falls under --min-available-gb (before the OOM killer picks a process, possibly another user's).
+falls under --min-available-gb. The nodes' processes are the OOM killer's first choice (oom_score_adj 1000), so a
+run that outgrows the machine ends one of its own nodes, not another user's process.
 
 Runs as root (namespaces), under the heavy lock:
     flock /tmp/dtrain-heavy.lock .venv/bin/python bench/bench_wan.py --rates unlimited,20 --samples 3000
@@ -50,7 +51,7 @@ from dtrain.node.assets import tokenizer_files  # noqa: E402
 from dtrain.node.config import ModelConfig  # noqa: E402
 from dtrain.node.model import build_model  # noqa: E402
 from dtrain.node.tokenizer import load_tokenizer  # noqa: E402
-from bench.bench_memory import GIB, pss_bytes  # noqa: E402
+from bench.bench_memory import GIB, pss_bytes, tree  # noqa: E402
 from tests.netns import Net, unavailable_reason  # noqa: E402
 from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, wait_until  # noqa: E402
 from tests.swarmcheck import ByteWatch, tensor_f32  # noqa: E402
@@ -173,8 +174,21 @@ class MemoryWatch:
         with open("/proc/meminfo") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
 
+    @staticmethod
+    def first_to_go(pid: int) -> None:
+        """The node's processes are the OOM killer's first choice, before any other process on the machine."""
+        for p in tree(pid):
+            try:
+                with open(f"/proc/{p}/oom_score_adj", "w") as f:
+                    f.write("1000")
+            except OSError:
+                pass  # exited
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
+            for n in list(self.nodes):
+                if n.proc.poll() is None:
+                    self.first_to_go(n.proc.pid)
             sizes = {n.name: pss_bytes(n.proc.pid) for n in list(self.nodes) if n.proc.poll() is None}
             for name, size in sizes.items():
                 self.peak[name] = max(self.peak.get(name, 0), size)
