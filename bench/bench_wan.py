@@ -205,6 +205,13 @@ class MemoryWatch:
             raise MemoryError(f"the machine ran short of memory: {self.short}")
 
 
+STATUS_TIMEOUT_S = 60.0  # a node in its outer step on a loaded machine answered later than 5 s (GPT-2 small)
+
+
+def status(node: NodeProcess) -> dict:
+    return node.get_json("/api/v1/swarm/status", timeout_s=STATUS_TIMEOUT_S)
+
+
 def tensor_sha256(node: NodeProcess, tensor_id: int) -> tuple[int, str]:
     """(step, sha256 of the f32 bytes) a node serves for a tensor, read in 1 MiB pieces (not held whole)."""
     def read():
@@ -225,9 +232,9 @@ def join_late(joiner: NodeProcess, nodes: list[NodeProcess], started: float, tim
 
     def same_digest() -> bool:
         memory.check()
-        mine = polled(everyone, joiner.status, memory)
+        mine = polled(everyone, lambda: status(joiner), memory)
         return any(s["step"] == mine["step"] and s["params_sha256"] == mine["params_sha256"]
-                   for s in (polled(everyone, n.status, memory) for n in nodes))
+                   for s in (polled(everyone, lambda: status(n), memory) for n in nodes))
 
     def same_bytes() -> bool:
         for tid in (0, 1):
@@ -273,7 +280,7 @@ def run(mode: str, rate, args, paths: list[Path], held_tokens: np.ndarray) -> di
 
             def statuses() -> list[dict]:
                 memory.check()
-                return [polled(nodes, n.status, memory) for n in nodes]
+                return [polled(nodes, lambda: status(n), memory) for n in nodes]
 
             def next_update() -> None:
                 first = max(s["step"] for s in statuses()) + 1
@@ -284,6 +291,7 @@ def run(mode: str, rate, args, paths: list[Path], held_tokens: np.ndarray) -> di
                 started = time.monotonic()
                 joiner = start(founders)
                 join_s = join_late(joiner, nodes[:-1], started, args.join_timeout, memory)
+                print(f"{joiner.name} served the swarm's bytes {join_s:.0f}s after its start", flush=True)
             # measured from the swarm's first update after every node is ready: the joiners' catch-up downloads
             # (a join's cost, not a round's) are left out of the bytes per sample
             next_update()
