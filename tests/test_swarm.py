@@ -41,14 +41,18 @@ def _kill_all(nodes):
         node.kill()
 
 
-@pytest.mark.timeout(300)
-def test_peers_byte_identical_after_each_epoch(text_file):
-    # two peers training on their own data; three nodes are test_lossless_swarm's (bridge traffic on each)
+@pytest.mark.timeout(360)
+def test_peers_byte_identical_after_each_epoch_and_a_late_joiner_catches_up_before_serving(text_file):
+    # two peers training on their own data (three nodes are test_lossless_swarm's, with bridge traffic on each); then
+    # a node joins late, with nothing to train on of its own
     peers = 2
-    nodes = start_swarm(peers, _train_args(text_file, peers), new_run_id())
-    epochs = 3
+    run_id = new_run_id()
+    nodes = start_swarm(peers, _train_args(text_file, peers), run_id)
     try:
-        _check_lockstep(nodes, peers, epochs)
+        _check_lockstep(nodes, peers, epochs=3)
+        _check_late_joiner(nodes, run_id)
+        for node in nodes:
+            node.terminate()
     except BaseException:
         print_logs(nodes)
         raise
@@ -74,35 +78,25 @@ def _check_lockstep(nodes, peers: int, epochs: int) -> None:
     repaired = sum(n.output().count("parameters differ from those of peer") for n in nodes)
     print(f"{len(common_steps())} epochs byte-identical across {peers} peers; "
           f"{repaired} peer-updates repaired after a failed averaging round")
-    for node in nodes:
-        node.terminate()
 
 
-@pytest.mark.timeout(240)
-def test_late_joiner_catches_up_before_serving(text_file):
-    run_id = new_run_id()
-    args = _train_args(text_file, 2)
-    nodes = start_swarm(2, args, run_id)
-    try:
-        wait_until(lambda: min(max(n.digests(), default=0) for n in nodes) >= 3, 120, "two epochs")
-        late = NodeProcess("late", [*PER_STEP, "--model-config", str(TINY_CONFIG)], run_id,
-                           initial_peers=nodes[0].wait_ready())
-        nodes.append(late)
-        late.wait_ready()
-        first_step, first_digest = min(late.digests().items())
-        assert first_step >= 3, late.output()[-2000:]
-        # the parameters it serves first are the swarm's at that step, to the byte. A peer that was catching up
-        # itself may have gone past that step without serving it (from step 4 to a download of step 6, say); every
-        # peer that served it served these bytes
-        wait_until(lambda: any(first_step in n.digests() for n in nodes[:2]), 60, "a peer to publish that step")
-        served = [n.digests()[first_step] for n in nodes[:2] if first_step in n.digests()]
-        assert served and all(digest == first_digest for digest in served), (first_digest, served)
-        assert late.status()["step"] >= first_step
-    except BaseException:
-        print_logs(nodes)
-        raise
-    finally:
-        _kill_all(nodes)
+def _check_late_joiner(nodes, run_id: str) -> None:
+    """A node joining a training swarm (appended to `nodes`) serves, from its first step, the swarm's bytes."""
+    wait_until(lambda: min(max(n.digests(), default=0) for n in nodes) >= 3, 120, "two epochs")
+    late = NodeProcess("late", [*PER_STEP, "--model-config", str(TINY_CONFIG)], run_id,
+                       initial_peers=nodes[0].wait_ready())
+    swarm = list(nodes)
+    nodes.append(late)
+    late.wait_ready()
+    first_step, first_digest = min(late.digests().items())
+    assert first_step >= 3, late.output()[-2000:]
+    # the parameters it serves first are the swarm's at that step, to the byte. A peer that was catching up itself
+    # may have gone past that step without serving it (from step 4 to a download of step 6, say); every peer that
+    # served it served these bytes
+    wait_until(lambda: any(first_step in n.digests() for n in swarm), 60, "a peer to publish that step")
+    served = [n.digests()[first_step] for n in swarm if first_step in n.digests()]
+    assert served and all(digest == first_digest for digest in served), (first_digest, served)
+    assert late.status()["step"] >= first_step
 
 
 @pytest.mark.timeout(180)

@@ -218,7 +218,9 @@ def test_nodes_with_the_key_train_in_lockstep_and_a_node_with_another_key_stops(
         assert "bootstrap failed" in keyless.output()
         assert [n.status()["closed"] for n in nodes[:2]] == [True, True]
         keyed = {n.status()["peer_id"] for n in nodes[:2]}
-        _check_lockstep(nodes[:2], peers=2, epochs=2)  # stops the nodes
+        _check_lockstep(nodes[:2], peers=2, epochs=2)
+        for node in nodes[:2]:
+            node.terminate()
         for node in nodes[:2]:  # each proved the key to the other's averagers (node.swarm.keygate); the nodes with
             # another key or none asked for a dial-back check and were refused
             refused = [line for line in node.output().splitlines() if "did not prove the swarm key" in line]
