@@ -113,8 +113,7 @@ class InnerRounds:
     def pseudo_gradient(self) -> list[torch.Tensor]:
         """anchor - the inner updates' parameters."""
         with torch.no_grad():
-            current = self._inner if self.in_outer else [p.detach() for p in self.params]
-            return [a - q for a, q in zip(self.anchor, current)]
+            return [a - q for a, q in zip(self.anchor, self.inner_parameters())]
 
     def offer(self, compress: Optional[bool] = None) -> list[torch.Tensor]:
         """What this node hands the outer round: its pseudo-gradient, or with a sparse codec and `compress` (the node
@@ -125,9 +124,8 @@ class InnerRounds:
         if self._offer is None:
             if self._compress and self.feedback is not None:
                 with torch.no_grad():  # tensor by tensor: the model's pseudo-gradient is never held whole
-                    current = self._inner if self.in_outer else [p.detach() for p in self.params]
                     kept = [sparse.top_k([e + (a - q)], self.fraction)[0]
-                            for e, a, q in zip(self.feedback, self.anchor, current)]
+                            for e, a, q in zip(self.feedback, self.anchor, self.inner_parameters())]
                     self._offer = sparse.quantize_(kept)
             else:
                 self._offer = self.pseudo_gradient()

@@ -159,11 +159,11 @@ def encode(flat, quantized: bool = False) -> bytes:
         offset += part.size
     count = int(np.count_nonzero(marks))
     values = np.empty(count, dtype="<f4")
-    offset = 0
+    offset, kept = 0, 0
     for part in parts:
-        kept_here = part[part != 0]
-        values[offset:offset + kept_here.size] = kept_here
-        offset += kept_here.size
+        kept_here = part[marks[offset:offset + part.size]]
+        values[kept:kept + kept_here.size] = kept_here
+        offset, kept = offset + part.size, kept + kept_here.size
     if quantized:
         e, q = _quantize_values(values)
         wire = [e, q]
