@@ -14,8 +14,10 @@ which holds the round's state besides).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -79,6 +81,64 @@ def measure(name: str, sync: str, updates: int, ready_timeout_s: float, train_ti
     finally:
         node.kill()
         time.sleep(2.0)
+
+
+class MemoryWatch:
+    """Samples MemAvailable and every node's PSS in a thread (`nodes` may grow meanwhile); kills every node when the
+    machine runs short, and makes the nodes the OOM killer's first choice."""
+
+    def __init__(self, nodes: list[NodeProcess], min_available_gb: float, interval_s: float = 1.0):
+        self.nodes, self.min_bytes, self.interval_s = nodes, min_available_gb * GIB, interval_s
+        self.lowest = math.inf  # MemAvailable, bytes
+        self.peak: dict[str, int] = {}  # node name -> largest PSS of its process tree, bytes
+        self.last: dict[str, int] = {}  # node name -> its latest PSS, bytes
+        self.short = ""  # set when the machine fell under the floor: every node's PSS then
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "MemoryWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    @staticmethod
+    def available() -> int:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+    @staticmethod
+    def first_to_go(pid: int) -> None:
+        """The node's processes are the OOM killer's first choice, before any other process on the machine."""
+        for p in tree(pid):
+            try:
+                with open(f"/proc/{p}/oom_score_adj", "w") as f:
+                    f.write("1000")
+            except OSError:
+                pass  # exited
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            for n in list(self.nodes):
+                if n.proc.poll() is None:
+                    self.first_to_go(n.proc.pid)
+            sizes = {n.name: pss_bytes(n.proc.pid) for n in list(self.nodes) if n.proc.poll() is None}
+            self.last.update(sizes)
+            for name, size in sizes.items():
+                self.peak[name] = max(self.peak.get(name, 0), size)
+            free = self.available()
+            self.lowest = min(self.lowest, free)
+            if free < self.min_bytes and not self.short:
+                self.short = (f"{free / GIB:.1f} GiB available, under {self.min_bytes / GIB:g}; nodes' PSS: "
+                              + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in sizes.items()))
+                for node in list(self.nodes):
+                    node.kill()
+
+    def check(self) -> None:
+        if self.short:
+            raise MemoryError(f"the machine ran short of memory: {self.short}")
 
 
 def main() -> None:

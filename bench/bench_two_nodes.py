@@ -18,65 +18,20 @@ import argparse
 import json
 import re
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.bench_memory import TEXT, pss_bytes  # noqa: E402
+from bench.bench_memory import GIB, TEXT, MemoryWatch  # noqa: E402
 from tests.nodeproc import NodeProcess, new_run_id, wait_until  # noqa: E402
 
-GIB = 1 << 30
 SAMPLE_EVERY_S = 0.25
 PEERS_RE = re.compile(r"update (\d+): \d+ samples.*?; \d+ packets, (\d+) peers")
 DOWNLOAD_RE = re.compile(r"Loading the swarm's parameters and optimizer state|Downloading \d+ ranges of the state")
 
 
-def mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemAvailable in /proc/meminfo")
-
-
-class Watch:
-    """Samples the nodes' PSS and MemAvailable in a thread; kills every node when MemAvailable is too low."""
-
-    def __init__(self, min_available: int):
-        self.nodes: dict[str, NodeProcess] = {}
-        self.peak: dict[str, int] = {}
-        self.last: dict[str, int] = {}
-        self.min_available = mem_available()
-        self.killed = ""
-        self._floor, self._stop = min_available, threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(SAMPLE_EVERY_S):
-            for name, node in list(self.nodes.items()):
-                if node.proc.poll() is None:
-                    self.last[name] = pss = pss_bytes(node.proc.pid)
-                    self.peak[name] = max(self.peak.get(name, 0), pss)
-            available = mem_available()
-            self.min_available = min(self.min_available, available)
-            if available < self._floor and not self.killed:
-                self.killed = f"MemAvailable {available / GIB:.2f} GiB < {self._floor / GIB:.2f} GiB"
-                for node in self.nodes.values():
-                    node.kill()
-
-    def check(self) -> None:
-        if self.killed:
-            raise RuntimeError(f"both nodes stopped: {self.killed}")
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-
-def stamp(node: NodeProcess, pattern: re.Pattern, watch: "Watch", timeout_s: float, after: str = "") -> float:
+def stamp(node: NodeProcess, pattern: re.Pattern, watch: MemoryWatch, timeout_s: float, after: str = "") -> float:
     """When a line matching `pattern` first shows in the node's output after the first line that holds `after`
     (polled every 0.1 s)."""
     def seen():
@@ -110,55 +65,52 @@ def main() -> None:
             "--local-batch-size", "1", "--local-seq-len", "64", "--local-samples-per-update", "1",
             "--matchmaking-time", "15", "--request-timeout", "5", "--averaging-timeout", str(a.averaging_timeout)]
     cold = {"DTRAIN_BENCH": "two-nodes"}  # a cold start each: no spare interpreter waiting next to the nodes
-    watch = Watch(int(a.min_available_gib * GIB))
     run_id, rows = new_run_id(), {}
     nodes: list[NodeProcess] = []
-    try:
-        nodes.append(node_a := NodeProcess("A", args, run_id, env=cold))
-        watch.nodes["A"] = node_a
-        maddrs = node_a.wait_ready(a.timeout)
-        wait_until(lambda: watch.check() or node_a.status()["updates"] >= 1, a.timeout, "A's first update", 1.0)
-        rows["A ready and trained"] = dict(watch.last)
-        started = time.monotonic()
-        nodes.append(node_b := NodeProcess("B", args, run_id, initial_peers=maddrs, env=cold))
-        watch.nodes["B"] = node_b
-        downloading = stamp(node_b, DOWNLOAD_RE, watch, a.timeout)
-        node_b.wait_ready(a.timeout)
-        served = stamp(node_b, re.compile(r"step \d+ params sha256"), watch, a.timeout,
-                       after=DOWNLOAD_RE.search(node_b.output()).group(0))
-        join_s, download_s = served - started, served - downloading
-        rows["B joined"] = dict(watch.last)
-        rows["peaks until B served"] = dict(watch.peak)
-        joined_at = max(node_b.digests())
+    with MemoryWatch(nodes, a.min_available_gib, interval_s=SAMPLE_EVERY_S) as watch:
+        try:
+            nodes.append(node_a := NodeProcess("A", args, run_id, env=cold))
+            maddrs = node_a.wait_ready(a.timeout)
+            wait_until(lambda: watch.check() or node_a.status()["updates"] >= 1, a.timeout, "A's first update", 1.0)
+            rows["A ready and trained"] = dict(watch.last)
+            started = time.monotonic()
+            nodes.append(node_b := NodeProcess("B", args, run_id, initial_peers=maddrs, env=cold))
+            downloading = stamp(node_b, DOWNLOAD_RE, watch, a.timeout)
+            node_b.wait_ready(a.timeout)
+            served = stamp(node_b, re.compile(r"step \d+ params sha256"), watch, a.timeout,
+                           after=DOWNLOAD_RE.search(node_b.output()).group(0))
+            join_s, download_s = served - started, served - downloading
+            rows["B joined"] = dict(watch.last)
+            rows["peaks until B served"] = dict(watch.peak)
+            joined_at = max(node_b.digests())
 
-        def together():
+            def together():
+                watch.check()
+                a_d, b_d = node_a.digests(), node_b.digests()
+                both = [e for e in b_d if e > joined_at and a_d.get(e) == b_d[e]]
+                if not both:
+                    return None
+                e = min(both)
+                groups = {n.name: int(m.group(2)) for n in nodes for m in PEERS_RE.finditer(n.output())
+                          if int(m.group(1)) == e}
+                return e if any(g > 1 for g in groups.values()) else None
+
+            epoch = wait_until(together, a.timeout, "an averaged update both nodes serve", 1.0)
+            rows["after the update"] = dict(watch.last)
+            text = complete(node_a, a.prompt, 8)
             watch.check()
-            a_d, b_d = node_a.digests(), node_b.digests()
-            both = [e for e in b_d if e > joined_at and a_d.get(e) == b_d[e]]
-            if not both:
-                return None
-            e = min(both)
-            groups = {n.name: int(m.group(2)) for n in nodes for m in PEERS_RE.finditer(n.output())
-                      if int(m.group(1)) == e}
-            return e if any(g > 1 for g in groups.values()) else None
-
-        epoch = wait_until(together, a.timeout, "an averaged update both nodes serve", 1.0)
-        rows["after the update"] = dict(watch.last)
-        text = complete(node_a, a.prompt, 8)
-        watch.check()
-    finally:
-        watch.stop()
-        for node in nodes:
-            node.kill()
-        # what was measured, also when a stage ran out of time or the memory floor stopped the nodes
-        rows["peaks over the run"] = watch.peak
-        print(f"{a.model_config.name}, {a.sync}: lowest MemAvailable {watch.min_available / GIB:.2f} GiB"
-              + (f" ({watch.killed})" if watch.killed else ""))
-        print("| moment | A PSS | B PSS | A + B |")
-        print("|---|---:|---:|---:|")
-        for moment, pss in rows.items():
-            pa, pb = pss.get("A", 0), pss.get("B", 0)
-            print(f"| {moment} | {pa / GIB:.2f} GiB | {pb / GIB:.2f} GiB | {(pa + pb) / GIB:.2f} GiB |")
+        finally:
+            for node in nodes:
+                node.kill()
+            # what was measured, also when a stage ran out of time or the memory floor stopped the nodes
+            rows["peaks over the run"] = dict(watch.peak)
+            print(f"{a.model_config.name}, {a.sync}: lowest MemAvailable {watch.lowest / GIB:.2f} GiB"
+                  + (f" ({watch.short})" if watch.short else ""))
+            print("| moment | A PSS | B PSS | A + B |")
+            print("|---|---:|---:|---:|")
+            for moment, pss in rows.items():
+                pa, pb = pss.get("A", 0), pss.get("B", 0)
+                print(f"| {moment} | {pa / GIB:.2f} GiB | {pb / GIB:.2f} GiB | {(pa + pb) / GIB:.2f} GiB |")
     print(f"B joined in {join_s:.0f}s ({download_s:.0f}s from its first download line to its first served step); "
           f"update {epoch} averaged by both (same sha256); A's completion of {a.prompt!r}: {text!r}")
 

@@ -37,7 +37,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -51,7 +50,7 @@ from dtrain.node.assets import tokenizer_files  # noqa: E402
 from dtrain.node.config import ModelConfig  # noqa: E402
 from dtrain.node.model import build_model  # noqa: E402
 from dtrain.node.tokenizer import load_tokenizer  # noqa: E402
-from bench.bench_memory import GIB, pss_bytes, tree  # noqa: E402
+from bench.bench_memory import GIB, MemoryWatch  # noqa: E402
 from tests.netns import Net, unavailable_reason  # noqa: E402
 from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, wait_until  # noqa: E402
 from tests.swarmcheck import ByteWatch, tensor_f32  # noqa: E402
@@ -148,61 +147,6 @@ def polled(nodes: list[NodeProcess], fn, memory: "MemoryWatch"):
         memory.check()
         check_alive(nodes)
         raise
-
-
-class MemoryWatch:
-    """Samples MemAvailable and every node's PSS; stops the run when the machine runs short."""
-
-    def __init__(self, nodes: list[NodeProcess], min_available_gb: float, interval_s: float = 1.0):
-        self.nodes, self.min_bytes, self.interval_s = nodes, min_available_gb * GIB, interval_s
-        self.lowest = math.inf  # MemAvailable, bytes
-        self.peak: dict[str, int] = {}  # node name -> largest PSS of its process tree, bytes
-        self.short = ""  # set when the machine fell under the floor: every node's PSS then
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> "MemoryWatch":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-    @staticmethod
-    def available() -> int:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-
-    @staticmethod
-    def first_to_go(pid: int) -> None:
-        """The node's processes are the OOM killer's first choice, before any other process on the machine."""
-        for p in tree(pid):
-            try:
-                with open(f"/proc/{p}/oom_score_adj", "w") as f:
-                    f.write("1000")
-            except OSError:
-                pass  # exited
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            for n in list(self.nodes):
-                if n.proc.poll() is None:
-                    self.first_to_go(n.proc.pid)
-            sizes = {n.name: pss_bytes(n.proc.pid) for n in list(self.nodes) if n.proc.poll() is None}
-            for name, size in sizes.items():
-                self.peak[name] = max(self.peak.get(name, 0), size)
-            free = self.available()
-            self.lowest = min(self.lowest, free)
-            if free < self.min_bytes and not self.short:
-                self.short = (f"{free / GIB:.1f} GiB available, under {self.min_bytes / GIB:g}; nodes' PSS: "
-                              + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in sizes.items()))
-                for node in list(self.nodes):
-                    node.kill()
-
-    def check(self) -> None:
-        if self.short:
-            raise MemoryError(f"the machine ran short of memory: {self.short}")
 
 
 STATUS_TIMEOUT_S = 60.0  # a node in its outer step on a loaded machine answered later than 5 s (GPT-2 small)
