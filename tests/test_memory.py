@@ -25,23 +25,16 @@ def test_share_moves_tensors_to_shared_memory_in_place():
     assert z.is_shared() and z.shape == (300,) and not z.any()
 
 
-def test_shared_zeros_take_memory_only_where_touched():
-    def rss_kib() -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("RssShmem:"))
-
-    before = rss_kib()
-    z = memory.shared_zeros(64 << 20)  # 256 MiB
-    assert z.is_shared() and not z[:: 1 << 16].any()
-    assert rss_kib() - before < 64 << 10  # a page here and there, not the whole
-    z[: 16 << 20].fill_(1.0)
-    assert rss_kib() - before >= 60 << 10
-
-
-def _shmem_kib() -> int:
-    """Shared memory this process maps and has pages of (RssShmem: /dev/shm files, torch's shared tensors)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("RssShmem:"))
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="tmpfs, /proc/self/map_files")
+def test_share_moves_zeros_without_holding_them():
+    zeros, ones = torch.zeros(16 << 20), torch.ones(16 << 20)  # 64 MiB each
+    view = zeros[5:10]
+    memory.share([zeros, ones])
+    assert zeros.is_shared() and ones.is_shared() and ones.eq(1.0).all()
+    assert _backing_bytes(ones) >= 64 << 20
+    assert _backing_bytes(zeros) < 64 << 10
+    view.fill_(2.0)  # still a view of the moved tensor
+    assert zeros[5:10].eq(2.0).all() and zeros.sum() == 10.0
 
 
 @pytest.fixture(params=["file_system", "file_descriptor"])
@@ -52,6 +45,37 @@ def sharing(request):
     torch.multiprocessing.set_sharing_strategy(request.param)
     yield request.param
     torch.multiprocessing.set_sharing_strategy(before)
+
+
+def _backing_bytes(t: torch.Tensor) -> int:
+    """The memory the shared file behind `t` holds: its allocated blocks, whether or not a process has them mapped
+    (/proc/self/map_files: the file of the mapping that holds t's first byte)."""
+    address = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span = line.split(None, 1)[0]
+            low, high = (int(x, 16) for x in span.split("-"))
+            if low <= address < high:
+                return os.stat(f"/proc/self/map_files/{span}").st_blocks * 512
+    raise LookupError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="tmpfs, /proc/self/map_files")
+def test_shared_zeros_take_memory_only_where_touched(sharing):
+    z = memory.shared_zeros(64 << 20)  # 256 MiB, a shared file of its own
+    assert z.is_shared() and z.shape == (64 << 20,)
+    assert _backing_bytes(z) < 64 << 10  # the header's page at most: torch allocated the file whole, handed back
+    assert not z[:: 1 << 16].any()  # a read takes the page it reads
+    assert _backing_bytes(z) <= (1 << 10) * 4096 + 4096
+    z[: 16 << 20].fill_(1.0)
+    assert _backing_bytes(z) >= 64 << 20  # the quarter written
+    assert _backing_bytes(z) < 72 << 20
+
+
+def _shmem_kib() -> int:
+    """Shared memory this process maps and has pages of (RssShmem: /dev/shm files, torch's shared tensors)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssShmem:"))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_REMOVE) on tmpfs")

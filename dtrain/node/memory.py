@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import mmap
+import os
 from typing import Iterable, Optional
 
 import numpy as np
@@ -61,20 +62,29 @@ def cap_mmap_threshold(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
 
 
 def share(tensors: Iterable[torch.Tensor]) -> None:
-    """Move CPU tensors into shared memory, in place (their storage moves; views and the objects stay valid)."""
+    """Move CPU tensors into shared memory, in place (their storage moves; views and the objects stay valid). A
+    tensor of zeros holds no memory there until touched (`release`): an optimizer's moments are zeros until its
+    first real step (hivemind makes them with a step on zero gradients), 2P for AdamW."""
     with torch.no_grad():
         for t in tensors:
             if t.device.type == "cpu" and not t.is_shared():
+                zeros = t.numel() * t.element_size() >= MMAP_THRESHOLD_BYTES and not t.any()
                 t.share_memory_()
+                if zeros:
+                    release([t])
 
 
 def shared_zeros(elements: int) -> torch.Tensor:
-    """A flat float32 tensor of zeros in shared memory, made there: a new shared file reads as zeros and takes memory
-    only for the pages touched (read or written) (a joiner's gradient buffers hold none while it downloads), with no private copy on
-    the way."""
+    """A flat float32 tensor of zeros in shared memory, made there, that holds no memory until touched (read or
+    written) (a joiner's gradient buffers and moments hold none while it downloads), with no private copy on the
+    way. torch allocates a new shared file whole (posix_fallocate, so that a full /dev/shm fails here rather than
+    with SIGBUS later): its pages are handed back at once (`release`). They are tmpfs pages that no process maps
+    yet, so a process's PSS never showed them; MemAvailable did."""
     n = int(elements)
     storage = torch.UntypedStorage._new_shared(4 * n)  # torch's own shared-memory allocation (share_memory_ uses it)
-    return torch.empty(0).set_(storage, 0, (n,), (1,))
+    zeros = torch.empty(0).set_(storage, 0, (n,), (1,))
+    release([zeros])
+    return zeros
 
 
 def lazy_zeros(like: torch.Tensor) -> torch.Tensor:
@@ -108,3 +118,22 @@ def release(tensors: Iterable[torch.Tensor]) -> int:
             flat[: (first - start) // t.element_size()].zero_()
             flat[(last - start) // t.element_size():].zero_()
     return released
+
+
+def shared_files(pid: int) -> dict[tuple[int, int], int]:
+    """The shared-memory files (/dev/shm, memfd) process `pid` maps: (device, inode) -> the bytes of memory each
+    holds, its allocated blocks, whether or not any process has them mapped in (which a process's PSS misses).
+    Linux, /proc/PID/map_files (root, or the process's own user); empty for a process that is gone."""
+    files: dict[tuple[int, int], int] = {}
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            spans = [line.split(None, 1)[0] for line in f if "/dev/shm/" in line or "/memfd:" in line]
+    except OSError:
+        return files
+    for span in spans:
+        try:
+            st = os.stat(f"/proc/{pid}/map_files/{span}")
+        except OSError:
+            continue  # unmapped meanwhile
+        files[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+    return files
