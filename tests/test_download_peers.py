@@ -8,13 +8,17 @@ replaces what it wrote.
 """
 from __future__ import annotations
 
+import asyncio
 import math
+import os
 import time
 
 import hivemind
 import pytest
 import torch
+from hivemind.proto import averaging_pb2
 
+from dtrain.node import memory
 from dtrain.node.swarm.state import SwarmStateAverager, keep_state_shared
 from tests.test_keygate import LOCAL
 
@@ -110,3 +114,59 @@ def test_the_download_is_written_into_the_joiners_tensors_and_a_bad_donor_is_ski
     load_until(joiner, lambda: not joiner.torn, "a whole download")
     assert all(torch.equal(a, b) for a, b in zip(state_of(joiner_opt), want))
     assert joiner.local_epoch == 5
+
+
+def file_of(t: torch.Tensor) -> tuple[int, int]:
+    """(device, inode) of the shared file that holds tensor `t` in this process."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span = line.split(None, 1)[0]
+            low, high = (int(x, 16) for x in span.split("-"))
+            if low <= t.data_ptr() < high:
+                st = os.stat(f"/proc/self/map_files/{span}")
+                return st.st_dev, st.st_ino
+    raise LookupError("not in a mapped file")
+
+
+def copies_held(averager: SwarmStateAverager, state: list[torch.Tensor]) -> int:
+    """Bytes of shared memory the averager's process maps besides the training state's own tensors: the copies of
+    the state it was handed for downloads."""
+    own = {file_of(t) for t in state if t.numel() > 1}
+    return sum(size for key, size in memory.shared_files(averager.pid).items() if key not in own)
+
+
+def test_a_donor_hands_back_each_tensor_of_its_copy_once_sent(peers):
+    gen = torch.Generator().manual_seed(4)
+    params = [torch.nn.Parameter(torch.randn(2048, 1024, generator=gen)) for _ in range(2)]  # 16 MiB; 48 with AdamW's
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+    donor = peers(opt, epoch=3, priority=1.0)
+    state = state_of(opt)
+    dht = hivemind.DHT(host_maddrs=LOCAL, start=True,
+                       initial_peers=[str(m) for m in donor.dht.get_visible_maddrs()])
+
+    async def first_part_then_hold():
+        """Ask the donor for its state as a joiner does, read the first part and hold the stream open."""
+        p2p = await dht.replicate_p2p()
+        stub = SwarmStateAverager.get_stub(p2p, donor.peer_id, namespace=donor.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        first = await stream.__anext__()
+        assert first.metadata  # hivemind's first part carries the metadata
+        await asyncio.sleep(2.0)  # the donor serializes ahead as far as the transport takes
+        held = copies_held(donor, state)
+        await stream.aclose()
+        return held
+
+    try:
+        held = asyncio.run(first_part_then_hold())
+    finally:
+        dht.shutdown()
+    # the copy made for this download is 48 MiB; the first tensor (8 MiB) was serialized and sent: its pages went
+    # (besides: a page or so of each small shared file of hivemind's, and of the copies' AdamW steps)
+    assert held <= (48 - 8 << 20) + (1 << 20)
+    deadline = time.monotonic() + 10.0
+    while copies_held(donor, state) > 1 << 20:  # the stream closed: the rest goes too
+        assert time.monotonic() < deadline, f"the donor still holds {copies_held(donor, state)} bytes of its copy"
+        time.sleep(0.2)

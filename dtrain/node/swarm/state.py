@@ -10,13 +10,15 @@ import random
 import time
 from dataclasses import dataclass
 from itertools import chain
-from typing import Optional, Sequence
+from typing import AsyncIterator, Optional, Sequence
 
 import torch
 from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state, load_optimizer_state
-from hivemind.p2p import PeerID
+from hivemind.compression import CompressionInfo
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_logger
+from hivemind.utils.streaming import split_for_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from dtrain.node import memory
@@ -53,10 +55,7 @@ def keep_state_shared(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
                     p.grad = memory.shared_zeros(p.numel()).view_as(p)
 
     def share(*_) -> None:
-        for state in optimizer.state.values():
-            for value in state.values():
-                if torch.is_tensor(value) and value.device.type == "cpu" and not value.is_shared():
-                    value.share_memory_()
+        memory.share(value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value))
 
     before_load: dict[int, dict] = {}
 
@@ -253,6 +252,39 @@ class SwarmStateAverager(Retimable, KeyGatedServicer, TrainingStateAverager):
         priority = {PeerID(peer): (float(info.value), random.random()) for peer, info in declared.items()
                     if isinstance(info, ValueWithExpiration) and isinstance(info.value, (float, int))}
         return sorted((p for p in priority if p != self.peer_id), key=priority.get, reverse=True)
+
+    async def rpc_download_state(self, _request: averaging_pb2.DownloadRequest, _context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """hivemind's (in the averager's process), with the memory of each tensor copied for this download handed
+        back as soon as it is serialized: the copy of the state (3P per-step, 2P low-comm) shrinks as the stream
+        goes, while the joiner's tensors fill, and none of it outlives the stream, however long hivemind's host
+        thread keeps its reference (until the next request). `get_current_state` hands out copies only; a tensor
+        that is one of the node's own (the same memory) is never released."""
+        if not self.allow_state_sharing:
+            return  # the peer asks the next one
+        metadata, tensors, infos = await self._get_current_state_from_host_process()
+        own = {t.untyped_storage().data_ptr() for t in self._stream[1]} if self._stream is not None else None
+
+        def release(sent: Sequence[torch.Tensor]) -> None:
+            if own is not None:
+                memory.release([t for t in sent if t.untyped_storage().data_ptr() not in own])
+
+        if infos is None:
+            infos = [CompressionInfo.from_tensor(tensor, key=i) for i, tensor in enumerate(tensors)]
+        if len(tensors) != len(infos):
+            raise ValueError(f"{len(tensors)} tensors, {len(infos)} compression infos")
+        try:
+            for tensor, info in zip(tensors, infos):
+                serialized = self.state_compression.compress(tensor, info, allow_inplace=False)
+                release([tensor])  # the serialized bytes are a copy of their own
+                for part in split_for_streaming(serialized):
+                    if metadata is not None:  # with the first part only
+                        yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata)
+                        metadata = None
+                    else:
+                        yield averaging_pb2.DownloadData(tensor_part=part)
+        finally:  # a stream cut short: what it did not send goes too
+            release(tensors)
 
     def step(self, *args, averaging_round: bool = False, averaging_control=None, increment_epoch: bool = False,
              averaging_opts: Optional[dict] = None, **kwargs):
