@@ -1,9 +1,12 @@
-"""Memory a training node holds: the proportional set size (PSS, /proc/PID/smaps_rollup) of dtrain-node and every
-process under it (hivemind's DHT and averager children, torch's shm manager), once idle and once while training
-after 2 updates, next to the bytes of its fp32 parameters.
+"""Memory a training node holds: what dtrain-node and every process under it (hivemind's DHT and averager children,
+torch's shm manager) hold (`held_bytes`), once idle and once while training after 2 updates, next to the bytes of its
+fp32 parameters.
 
-PSS counts a page shared by k processes as 1/k in each, so the sum over the tree counts shared memory (hivemind's
-/dev/shm buffers, torch's shared tensors) once.
+A node's large tensors live in shared memory (tmpfs files in /dev/shm, and the snapshot's memfd), which the
+proportional set size (PSS) misses in part: it counts the pages a process has mapped in, and a tmpfs page that no
+process has touched since it was allocated (torch allocates a new shared file whole) holds memory all the same. So
+the tree's memory is its PSS of private and file-backed pages (a page shared by k processes counts 1/k in each), and
+each shared-memory file it maps, once, by the pages the file holds.
 
     .venv/bin/python bench/bench_memory.py [--configs tiny default gpt2-small gpt2-medium] [--sync per-step low-comm]
                                            [--updates 2]
@@ -22,6 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from dtrain.node import memory  # noqa: E402
 from tests.nodeproc import REPO, NodeProcess, new_run_id, wait_cpu_idle, wait_until  # noqa: E402
 
 CONFIGS = {"tiny": REPO / "configs/tiny.json", "default": None, "gpt2-small": REPO / "configs/gpt2-small.json",
@@ -48,18 +52,20 @@ def tree(pid: int) -> list[int]:
     return found
 
 
-def pss_bytes(pid: int) -> int:
-    """Sum of Pss over the process tree under pid (kB in smaps_rollup)."""
-    total = 0
+def held_bytes(pid: int) -> int:
+    """The memory the process tree under pid holds: the PSS of its private and file-backed pages, and the pages of
+    every shared-memory file (/dev/shm, memfd) it maps, each file once, mapped in or not (memory.shared_files)."""
+    total, files = 0, {}
     for p in tree(pid):
         try:
             with open(f"/proc/{p}/smaps_rollup") as f:
                 for line in f:
-                    if line.startswith("Pss:"):
+                    if line.startswith(("Pss_Anon:", "Pss_File:")):
                         total += int(line.split()[1]) * 1024
         except OSError:
-            pass  # exited between the listing and the read
-    return total
+            continue  # exited between the listing and the read
+        files.update(memory.shared_files(p))
+    return total + sum(files.values())
 
 
 def measure(name: str, sync: str, updates: int, ready_timeout_s: float, train_timeout_s: float) -> dict:
@@ -73,10 +79,10 @@ def measure(name: str, sync: str, updates: int, ready_timeout_s: float, train_ti
         node.wait_ready(ready_timeout_s)
         info = node.get_json("/api/v1/model/info", timeout_s=30.0)
         params = int(info["total_params"])
-        idle = pss_bytes(node.proc.pid)
+        idle = held_bytes(node.proc.pid)
         start = node.status()["updates"]
         wait_until(lambda: node.status()["updates"] >= start + updates, train_timeout_s, f"{updates} updates", 1.0)
-        training = pss_bytes(node.proc.pid)
+        training = held_bytes(node.proc.pid)
         return dict(config=name, sync=sync, params=params, fp32=params * 4, idle=idle, training=training)
     finally:
         node.kill()
@@ -84,15 +90,15 @@ def measure(name: str, sync: str, updates: int, ready_timeout_s: float, train_ti
 
 
 class MemoryWatch:
-    """Samples MemAvailable and every node's PSS in a thread (`nodes` may grow meanwhile); kills every node when the
+    """Samples MemAvailable and every node's memory (held_bytes) in a thread (`nodes` may grow meanwhile); kills every node when the
     machine runs short, and makes the nodes the OOM killer's first choice."""
 
     def __init__(self, nodes: list[NodeProcess], min_available_gb: float, interval_s: float = 1.0):
         self.nodes, self.min_bytes, self.interval_s = nodes, min_available_gb * GIB, interval_s
         self.lowest = math.inf  # MemAvailable, bytes
-        self.peak: dict[str, int] = {}  # node name -> largest PSS of its process tree, bytes
-        self.last: dict[str, int] = {}  # node name -> its latest PSS, bytes
-        self.short = ""  # set when the machine fell under the floor: every node's PSS then
+        self.peak: dict[str, int] = {}  # node name -> the most its process tree held, bytes
+        self.last: dict[str, int] = {}  # node name -> what its tree held last, bytes
+        self.short = ""  # set when the machine fell under the floor: every node's memory then
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -124,14 +130,14 @@ class MemoryWatch:
             for n in list(self.nodes):
                 if n.proc.poll() is None:
                     self.first_to_go(n.proc.pid)
-            sizes = {n.name: pss_bytes(n.proc.pid) for n in list(self.nodes) if n.proc.poll() is None}
+            sizes = {n.name: held_bytes(n.proc.pid) for n in list(self.nodes) if n.proc.poll() is None}
             self.last.update(sizes)
             for name, size in sizes.items():
                 self.peak[name] = max(self.peak.get(name, 0), size)
             free = self.available()
             self.lowest = min(self.lowest, free)
             if free < self.min_bytes and not self.short:
-                self.short = (f"{free / GIB:.1f} GiB available, under {self.min_bytes / GIB:g}; nodes' PSS: "
+                self.short = (f"{free / GIB:.1f} GiB available, under {self.min_bytes / GIB:g}; nodes' memory: "
                               + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in sizes.items()))
                 for node in list(self.nodes):
                     node.kill()
@@ -149,7 +155,7 @@ def main() -> None:
     ap.add_argument("--ready-timeout", type=float, default=600.0)
     ap.add_argument("--train-timeout", type=float, default=1800.0)
     a = ap.parse_args()
-    print("| config | sync | params | fp32 params | PSS idle | PSS training | training / fp32 |")
+    print("| config | sync | params | fp32 params | idle | training | training / fp32 |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for name, sync in ((name, sync) for name in a.configs for sync in a.sync):
         r = measure(name, sync, a.updates, a.ready_timeout, a.train_timeout)

@@ -2,7 +2,7 @@
 --initial-peers, downloading A's state) and trains too, both apply an averaged update, and A answers a
 /v1/completions request. What fits, and what the join costs in memory.
 
-Printed: each node's proportional set size (PSS of its process tree, bench_memory.pss_bytes) when A is ready, at
+Printed: the memory each node's process tree holds (bench_memory.held_bytes) when A is ready, at
 B's peak while it joins, and at each node's peak over the run; the machine's lowest MemAvailable; the seconds from
 B's start to its first served step (its download included) and from its first download line to that step; the first
 update both nodes served with the same parameters after B joined (its group of peers, from the node's log); and
@@ -106,7 +106,7 @@ def main() -> None:
             rows["peaks over the run"] = dict(watch.peak)
             print(f"{a.model_config.name}, {a.sync}: lowest MemAvailable {watch.lowest / GIB:.2f} GiB"
                   + (f" ({watch.short})" if watch.short else ""))
-            print("| moment | A PSS | B PSS | A + B |")
+            print("| moment | A | B | A + B |")
             print("|---|---:|---:|---:|")
             for moment, pss in rows.items():
                 pa, pb = pss.get("A", 0), pss.get("B", 0)

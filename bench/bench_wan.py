@@ -20,10 +20,11 @@ its row gives the seconds from its start to serving the swarm's bytes of a step 
 checks) and how many updates it then made with the swarm. Its bytes and samples count from its start.
 
 A node that dies fails the run with its exit status, the kernel's OOM line if the OOM killer ended it, and its log
-tail. Every second the bench samples the machine's available memory and each node's PSS (its process tree); the row
-gives the lowest available memory and the largest node, and the run stops with every node's PSS when the machine
-falls under --min-available-gb. The nodes' processes are the OOM killer's first choice (oom_score_adj 1000), so a
-run that outgrows the machine ends one of its own nodes, not another user's process.
+tail. Every second the bench samples the machine's available memory and the memory each node's process tree holds
+(bench_memory.held_bytes); the row gives the lowest available memory and the largest node, and the run stops with
+every node's memory when the machine falls under --min-available-gb. The nodes' processes are the OOM killer's first
+choice (oom_score_adj 1000), so a run that outgrows the machine ends one of its own nodes, not another user's
+process.
 
 Runs as root (namespaces), under the heavy lock:
     flock /tmp/dtrain-heavy.lock .venv/bin/python bench/bench_wan.py --rates unlimited,20 --samples 3000
