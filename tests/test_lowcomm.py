@@ -189,6 +189,57 @@ def test_the_anchor_reads_the_served_snapshot_when_it_holds_the_same_bytes():
     assert r.anchor[0].data_ptr() != served[0].ctypes.data and np.array_equal(served[0], [1.0, 2.0, 3.0])
 
 
+def test_settle_takes_the_next_snapshots_bytes_as_the_anchor():
+    p, r = _rounds()
+    r.inner_step([torch.tensor([1.0, 0.0, 0.0])])
+    r.enter_outer()
+    with torch.no_grad():
+        p.sub_(r.pseudo_gradient()[0])
+    stale = [np.array([9.0, 9.0, 9.0], np.float32)]
+    served = [np.array([0.5, 2.0, 3.0], np.float32)]
+    r.settle(served=stale)  # not the parameters' bytes: a copy of its own
+    assert r.anchor[0].data_ptr() != stale[0].ctypes.data and torch.equal(r.anchor[0], p.detach())
+    r.inner_step([torch.tensor([1.0, 0.0, 0.0])])
+    r.enter_outer()
+    with torch.no_grad():
+        p.copy_(torch.tensor([0.5, 2.0, 3.0]))  # an outer update
+    r.settle(served=served)  # the snapshot the node publishes next holds these bytes: read there
+    assert r.anchor[0].data_ptr() == served[0].ctypes.data and torch.equal(r.anchor[0], p.detach())
+
+
+def test_a_node_alone_lands_on_its_inner_parameters_and_lets_the_set_aside_copy_go():
+    n = 1 << 20
+    p = torch.nn.Parameter(torch.linspace(0.0, 1.0, n))
+    p.grad = memory.shared_zeros(n)
+    r = InnerRounds([p], torch.optim.SGD([p], lr=0.5), 1)
+    r.inner_step([torch.ones(n)])
+    inner = p.detach().clone()
+    landing = r.set_aside()  # what the outer step of a node alone copies back (node.lowcomm.outer)
+    with torch.no_grad():
+        p.grad.copy_(r.offer(compress=False)[0])
+        p.copy_(landing[id(p)])
+    set_aside = r._inner[0]
+    r.landed()
+    assert r._inner[0] is not set_aside and r._inner[0].data_ptr() == p.data_ptr()  # the copy went
+    assert not p.grad.any()  # the gradient buffers are released
+    assert torch.equal(r.pseudo_gradient()[0], r.anchor[0] - inner)
+    r.settle()
+    assert torch.equal(p.detach(), inner) and torch.equal(r.anchor[0], inner) and not r.in_outer
+
+
+def test_landed_keeps_the_set_aside_parameters_when_the_step_put_others():
+    p, r = _rounds(steps=1)
+    r.inner_step([torch.tensor([1.0, 0.0, 0.0])])
+    r.set_aside()
+    kept = r._inner[0]
+    with torch.no_grad():
+        p.copy_(torch.tensor([7.0, 7.0, 7.0]))  # not where the inner updates left them (a download came)
+    r.landed()
+    assert r._inner[0] is kept
+    r.carry()
+    assert torch.equal(p.detach(), torch.tensor([6.5, 7.0, 7.0]))  # the pseudo-gradient [0.5, 0, 0] on top, once
+
+
 def _shmem_kib() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("RssShmem:"))

@@ -62,8 +62,13 @@ class InnerRounds:
         self._offer: Optional[list[torch.Tensor]] = None  # what this round was offered (until settle or carry)
         self._compress = False
 
-    def _new_anchor(self) -> None:
-        """The parameters as they are now become the anchor (a copy, until `share_anchor` finds it served)."""
+    def _new_anchor(self, served: Optional[Sequence[np.ndarray]] = None) -> None:
+        """The parameters as they are now become the anchor: views of `served` (the fp32 arrays of the snapshot the
+        node publishes next) when they hold the same bytes, else a copy of its own until `share_anchor`."""
+        views = _views_of(served, self.params)
+        if views is not None:
+            self.anchor, self._anchor_own = views, False
+            return
         with torch.no_grad():
             self.anchor = [p.detach().clone() for p in self.params]
         self._anchor_own = True
@@ -76,16 +81,9 @@ class InnerRounds:
         if not self._anchor_own or self._published is None:
             return
         self._anchor_own = False
-        arrays = self._published()
-        if arrays is None or len(arrays) != len(self.anchor):
-            return
-        with warnings.catch_warnings():
-            # the snapshot's arrays are read-only, and the anchor is only read
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
-            views = [torch.from_numpy(a) for a in arrays]
-        if all(v.numel() == a.numel() and v.dtype == a.dtype and torch.equal(v.view_as(a), a)
-               for v, a in zip(views, self.anchor)):
-            self.anchor = [v.view_as(a) for v, a in zip(views, self.anchor)]
+        views = _views_of(self._published(), self.anchor)
+        if views is not None:
+            self.anchor = views
 
     @property
     def due(self) -> bool:
@@ -110,10 +108,10 @@ class InnerRounds:
         returns the bytes handed back. Only between uses: after an inner update, and once an outer round is over."""
         return memory.release([p.grad for p in self.params if p.grad is not None])
 
-    def pseudo_gradient(self) -> list[torch.Tensor]:
-        """anchor - the inner updates' parameters."""
-        with torch.no_grad():
-            return [a - q for a, q in zip(self.anchor, self.inner_parameters())]
+    def pseudo_gradient(self) -> Sequence[torch.Tensor]:
+        """anchor - the inner updates' parameters, each tensor computed when it is read (the anchor and parameters
+        of that moment)."""
+        return _PseudoGradient(self)
 
     def offer(self, compress: Optional[bool] = None) -> list[torch.Tensor]:
         """What this node hands the outer round: its pseudo-gradient, or with a sparse codec and `compress` (the node
@@ -127,7 +125,7 @@ class InnerRounds:
                     kept = [sparse.top_k([e + (a - q)], self.fraction)[0]
                             for e, a, q in zip(self.feedback, self.anchor, self.inner_parameters())]
                     self._offer = sparse.quantize_(kept)
-            else:
+            else:  # read tensor by tensor: nothing held (every reader takes it inside the round, before settle)
                 self._offer = self.pseudo_gradient()
         return self._offer
 
@@ -164,9 +162,10 @@ class InnerRounds:
         self.in_outer, self._offer, self._inner = False, None, None
         self.release_grads()
 
-    def settle(self) -> None:
-        """The parameters hold an outer update that applied this node's offer: the next anchor. What the offer left
-        out of the pseudo-gradient (and of the earlier error feedback) is the error feedback now."""
+    def settle(self, served: Optional[Sequence[np.ndarray]] = None) -> None:
+        """The parameters hold an outer update that applied this node's offer: the next anchor (views of `served`,
+        the snapshot the node publishes next, when it holds their bytes). What the offer left out of the
+        pseudo-gradient (and of the earlier error feedback) is the error feedback now."""
         with torch.no_grad():
             # an offer of the whole pseudo-gradient leaves zero feedback at zero ((0 + d) - d is 0 exactly): its
             # pages stay untouched
@@ -175,7 +174,7 @@ class InnerRounds:
                 for e, d, o in zip(self.feedback, delta, offer):
                     e.add_(d).sub_(o)
                 self._feedback_written = True
-        self._new_anchor()
+        self._new_anchor(served)
         self.steps, self.in_outer, self._offer, self._inner = 0, False, None, None
         self.release_grads()
 
@@ -187,17 +186,33 @@ class InnerRounds:
         if not self._replaced():
             self.leave_outer()
             return
-        delta = self.pseudo_gradient()
-        self._new_anchor()
-        with torch.no_grad():
-            for p, d in zip(self.params, delta):
+        anchor = []
+        with torch.no_grad():  # tensor by tensor: the pseudo-gradient is never held whole
+            for p, a, q in zip(self.params, self.anchor, self._inner):
+                d = a - q
+                anchor.append(p.detach().clone())
                 p.sub_(d)
+        self.anchor, self._anchor_own = anchor, True
         self.in_outer, self._offer, self._inner = False, None, None
         self.release_grads()
+
+    def landed(self) -> None:
+        """A node alone's outer step put the parameters where its inner updates had left them (node.lowcomm.outer,
+        `landing`): the set-aside copy of them goes now (P), and the gradient buffers, which that step only read,
+        are released. The round then reads the parameters themselves for the inner updates' values. Nothing
+        happens if any parameter differs from its set-aside value."""
+        if not self.in_outer or self._inner is None:
+            return
+        if all(torch.equal(p.detach(), q) for p, q in zip(self.params, self._inner)):
+            self._inner = [p.detach() for p in self.params]
+            self.release_grads()
 
     def inner_parameters(self) -> list[torch.Tensor]:
         """The inner updates' parameters, wherever they are now (set aside inside an outer round)."""
         return list(self._inner) if self.in_outer else [p.detach() for p in self.params]
+
+    def inner_parameter(self, i: int) -> torch.Tensor:
+        return self._inner[i] if self.in_outer else self.params[i].detach()
 
     def resume(self, saved_anchor: Sequence[torch.Tensor], inner_params: Sequence[torch.Tensor],
                feedback: Optional[Sequence[torch.Tensor]], steps: int) -> None:
@@ -216,6 +231,38 @@ class InnerRounds:
                         e.copy_(f)
                         self._feedback_written = True
         self.steps, self._offer = steps, None
+
+
+def _views_of(arrays: Optional[Sequence[np.ndarray]], like: Sequence[torch.Tensor]) -> Optional[list[torch.Tensor]]:
+    """`arrays` (a snapshot's fp32 arrays) as tensors shaped like `like`, when they hold the same bytes; else None."""
+    if arrays is None or len(arrays) != len(like):
+        return None
+    with warnings.catch_warnings():
+        # a snapshot's arrays are read-only, and the anchor is only read
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+        views = [torch.from_numpy(a) for a in arrays]
+    if not all(v.numel() == t.numel() and v.dtype == t.dtype and torch.equal(v.view_as(t), t.detach())
+               for v, t in zip(views, like)):
+        return None
+    return [v.view_as(t) for v, t in zip(views, like)]
+
+
+class _PseudoGradient(Sequence):
+    """anchor - inner parameters, one tensor at a time as it is read: the model's pseudo-gradient is never held
+    whole (P). It reads the round as it is when indexed."""
+
+    def __init__(self, rounds: "InnerRounds"):
+        self._rounds = rounds
+
+    def __len__(self) -> int:
+        return len(self._rounds.params)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        rounds = self._rounds
+        with torch.no_grad():
+            return rounds.anchor[i] - rounds.inner_parameter(i)
 
 
 class _SetAside(Mapping):

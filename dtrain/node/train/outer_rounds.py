@@ -98,6 +98,8 @@ class OuterRoundLoop:
             return
         outcome = opt.last_round
         if outcome is not round_before and outcome.epoch == opt.local_epoch:
+            if alone:
+                rounds.landed()  # the set-aside parameters and .grad go before the update's snapshot is made
             if node.catchup is not None:
                 node.catchup.record(outcome)
             node._after_update(outcome, time.monotonic() - started)

@@ -566,7 +566,10 @@ class TrainingNode:
         snap = make_snapshot(self.model, outcome.epoch)
         verdict = self.agreement.after_update(snap, outcome)
         if self.rounds is not None:  # the parameters hold the swarm's update now, with or without this node's work
-            self.rounds.settle() if verdict.included else self.rounds.carry()
+            if verdict.included:  # the anchor: the snapshot's bytes, which the node publishes below
+                self.rounds.settle(verdict.snapshot.f32 if verdict.snapshot is not None else None)
+            else:
+                self.rounds.carry()
             self._sync_sharing()
         if verdict.included:
             applied = self.gradient.settle()
