@@ -2,16 +2,20 @@
 only the peers that are accumulating samples)."""
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Iterator, Mapping, Optional
 
 import hivemind
 import pydantic.v1 as pydantic
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
-from hivemind.utils import get_dht_time
+from hivemind.utils import get_dht_time, get_logger
 
 from dtrain.node.swarm import records as dht_records
+
+logger = get_logger(__name__)
 
 ANNOUNCE_EVERY_S = 3.0  # how often a node refreshes its record
 TRAINING_RECENTLY_S = 30.0  # a node that reported samples this recently announces itself as training
@@ -90,6 +94,31 @@ class Presence:
         found = dht_records.read(self._dht, self._key)
         return {peer: info.model for peer, r in found.items() if peer != self.peer_id
                 and (info := PeerInfo.from_record(peer, r)).model is not None}
+
+    @contextlib.contextmanager
+    def announcing(self, step: int) -> Iterator[None]:
+        """This node stays announced while the body runs, from a thread of its own every ANNOUNCE_EVERY_S: a
+        download of the swarm's state, during which the training thread refreshes nothing, outlasts a record
+        (RECORD_TTL_S) on any slow link, and the nodes it joins must not take themselves for alone meanwhile (they
+        would update on every batch, and the joiner would arrive behind them). The training thread must not use
+        this presence until the body is done."""
+        stop = threading.Event()
+
+        def keep_announcing() -> None:
+            while not stop.wait(ANNOUNCE_EVERY_S):
+                try:
+                    self.refresh(step, 0)
+                except Exception as e:  # the next one may work; the download goes on either way
+                    logger.warning(f"Announcing this node failed: {e!r}")
+
+        self.refresh(step, 0)
+        thread = threading.Thread(target=keep_announcing, name="dtrain-announce", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
 
     def alone(self) -> bool:
         """No other node announced itself recently."""

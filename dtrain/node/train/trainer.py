@@ -11,6 +11,7 @@ Other threads only call `submit(contribution)`, `snapshot()`, `losses()` and `st
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -371,11 +372,9 @@ class TrainingNode:
             logger.info("The download in ranges did not give the swarm's state; downloading it from one peer")
         deadline = time.monotonic() + timeout_s
         while True:
-            if self.low_comm:
-                # announced while it downloads: the nodes it joins are not alone, so they make outer rounds every
-                # --inner-steps instead of an update per batch, which a download over a slow link never catches
-                self.presence.refresh(0, 0)
-            if (result := self.agreement.load_state_from_peers()) is not Download.REFUSED:
+            with self._announced_while_downloading(0):
+                result = self.agreement.load_state_from_peers()
+            if result is not Download.REFUSED:
                 break
             if self._stop.is_set() or time.monotonic() >= deadline:
                 raise RuntimeError(f"could not download a state that agrees with what the swarm's peers publish "
@@ -617,7 +616,15 @@ class TrainingNode:
         if self.catchup is not None and not self._unverified and self.catchup.replay():
             self._after_catch_up(Download.CHECKED)  # the replayed bytes are the ones the peers publish
             return
-        self._after_catch_up(self.agreement.load_state_from_peers())
+        with self._announced_while_downloading(self.step):
+            download = self.agreement.load_state_from_peers()
+        self._after_catch_up(download)
+
+    def _announced_while_downloading(self, step: int):
+        """Low-comm: announced while it downloads, so that the nodes it joins are not alone and make outer rounds
+        every --inner-steps instead of an update per batch, which a download over a slow link never catches (the
+        joiner would arrive behind them and download again)."""
+        return self.presence.announcing(step) if self.low_comm else contextlib.nullcontext()
 
     def _after_catch_up(self, download: Download) -> None:
         try:

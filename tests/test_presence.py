@@ -1,0 +1,40 @@
+"""Who is in the swarm (node.swarm.presence), between real DHT peers on 127.0.0.1: a node that downloads the state
+stays announced for as long as the download takes, longer than its record lives."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from dtrain.node.swarm import presence as presence_module
+from dtrain.node.swarm import records
+from dtrain.node.swarm.presence import Presence
+from dtrain.node.swarm.records import RecordOwner
+from tests.nodeproc import new_run_id
+from tests.test_commit import signed_dht
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
+
+TTL_S = 2.0  # records live this long here (a node's live RECORD_TTL_S)
+
+
+def test_a_node_stays_announced_while_it_downloads_and_goes_after(monkeypatch):
+    monkeypatch.setattr(records, "RECORD_TTL_S", TTL_S)
+    monkeypatch.setattr(presence_module, "ANNOUNCE_EVERY_S", 0.5)
+    run_id = new_run_id()
+    owners = [RecordOwner.generate() for _ in range(2)]
+    dhts = [signed_dht(owners[0])]
+    try:
+        dhts.append(signed_dht(owners[1], initial_peers=dhts[0].get_visible_maddrs()))
+        donor, joiner = (Presence(d, run_id, o, [str(m) for m in d.get_visible_maddrs()], bridge_port=8000)
+                         for d, o in zip(dhts, owners))
+        with joiner.announcing(step=0):
+            time.sleep(3 * TTL_S)  # a download: three lifetimes of a record, and the training thread refreshes nothing
+            assert joiner.peer_id in donor.refresh(step=7, pending_samples=0)
+            assert not donor.alone()
+        time.sleep(TTL_S + 1.0)  # done: no more announcements, and the last one expired
+        assert joiner.peer_id not in donor.refresh(step=7, pending_samples=0)
+        assert donor.alone()
+    finally:
+        for d in reversed(dhts):
+            d.shutdown()
