@@ -11,7 +11,6 @@ Other threads only call `submit(contribution)`, `snapshot()`, `losses()` and `st
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -372,7 +371,10 @@ class TrainingNode:
             logger.info("The download in ranges did not give the swarm's state; downloading it from one peer")
         deadline = time.monotonic() + timeout_s
         while True:
-            with self._announced_while_downloading(0):
+            # announced while it downloads, so that the nodes it joins are not alone: they make outer rounds every
+            # --inner-steps (per-step: gather --local-samples-per-update) instead of an update per batch, which a
+            # download that takes longer never catches (the joiner would arrive behind them and download again)
+            with self.presence.announcing(0):
                 result = self.agreement.load_state_from_peers()
             if result is not Download.REFUSED:
                 break
@@ -616,15 +618,9 @@ class TrainingNode:
         if self.catchup is not None and not self._unverified and self.catchup.replay():
             self._after_catch_up(Download.CHECKED)  # the replayed bytes are the ones the peers publish
             return
-        with self._announced_while_downloading(self.step):
+        with self.presence.announcing(self.step):  # as a joiner's first download (_join_download)
             download = self.agreement.load_state_from_peers()
         self._after_catch_up(download)
-
-    def _announced_while_downloading(self, step: int):
-        """Low-comm: announced while it downloads, so that the nodes it joins are not alone and make outer rounds
-        every --inner-steps instead of an update per batch, which a download over a slow link never catches (the
-        joiner would arrive behind them and download again)."""
-        return self.presence.announcing(step) if self.low_comm else contextlib.nullcontext()
 
     def _after_catch_up(self, download: Download) -> None:
         try:
