@@ -90,8 +90,8 @@ def measure(name: str, sync: str, updates: int, ready_timeout_s: float, train_ti
 
 
 class MemoryWatch:
-    """Samples MemAvailable and every node's memory (held_bytes) in a thread (`nodes` may grow meanwhile); kills every node when the
-    machine runs short, and makes the nodes the OOM killer's first choice."""
+    """Samples MemAvailable and every node's memory (held_bytes) in a thread (`nodes` may grow meanwhile); kills
+    every node when the machine runs short, and makes the nodes the OOM killer's first choice."""
 
     def __init__(self, nodes: list[NodeProcess], min_available_gb: float, interval_s: float = 1.0):
         self.nodes, self.min_bytes, self.interval_s = nodes, min_available_gb * GIB, interval_s

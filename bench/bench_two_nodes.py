@@ -59,10 +59,13 @@ def main() -> None:
     ap.add_argument("--averaging-timeout", type=float, default=120.0,
                     help="seconds: a round of GPT-2 medium's state over 127.0.0.1 on 2 cores takes tens of them")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds for each stage")
+    ap.add_argument("--samples-per-update", type=int, default=1,
+                    help="--local-samples-per-update of both nodes: per-step, a joiner keeps up only when a download "
+                         "takes less than the swarm's update")
     ap.add_argument("--prompt", default="ROMEO:")
     a = ap.parse_args()
     args = ["--model-config", str(a.model_config), "--sync", a.sync, "--train-data", str(a.text),
-            "--local-batch-size", "1", "--local-seq-len", "64", "--local-samples-per-update", "1",
+            "--local-batch-size", "1", "--local-seq-len", "64", "--local-samples-per-update", str(a.samples_per_update),
             "--matchmaking-time", "15", "--request-timeout", "5", "--averaging-timeout", str(a.averaging_timeout)]
     cold = {"DTRAIN_BENCH": "two-nodes"}  # a cold start each: no spare interpreter waiting next to the nodes
     run_id, rows = new_run_id(), {}
