@@ -88,17 +88,16 @@ def main() -> None:
             joined_at = max(node_b.digests())
 
             def together():
+                """The first step after B joined that both serve with the same bytes and that an update of a group
+                of peers made (update u makes step u + 1; a step B downloaded from A, or that A made alone, is the
+                same bytes too)."""
                 watch.check()
                 a_d, b_d = node_a.digests(), node_b.digests()
-                both = [e for e in b_d if e > joined_at and a_d.get(e) == b_d[e]]
-                if not both:
-                    return None
-                e = min(both)
-                groups = {n.name: int(m.group(2)) for n in nodes for m in PEERS_RE.finditer(n.output())
-                          if int(m.group(1)) == e}
-                return e if any(g > 1 for g in groups.values()) else None
+                groups = {int(m.group(1)): int(m.group(2)) for n in nodes for m in PEERS_RE.finditer(n.output())}
+                return next((step for step in sorted(b_d) if step > joined_at and a_d.get(step) == b_d[step]
+                             and groups.get(step - 1, 0) > 1), None)
 
-            epoch = wait_until(together, a.timeout, "an averaged update both nodes serve", 1.0)
+            step = wait_until(together, a.timeout, "an averaged update both nodes serve", 1.0)
             rows["after the update"] = dict(watch.last)
             text = complete(node_a, a.prompt, 8)
             watch.check()
@@ -115,7 +114,8 @@ def main() -> None:
                 pa, pb = pss.get("A", 0), pss.get("B", 0)
                 print(f"| {moment} | {pa / GIB:.2f} GiB | {pb / GIB:.2f} GiB | {(pa + pb) / GIB:.2f} GiB |")
     print(f"B joined in {join_s:.0f}s ({download_s:.0f}s from its first download line to its first served step); "
-          f"update {epoch} averaged by both (same sha256); A's completion of {a.prompt!r}: {text!r}")
+          f"step {step} (update {step - 1}) averaged by both, the same sha256; A's completion of {a.prompt!r}: "
+          f"{text!r}")
 
 
 if __name__ == "__main__":
