@@ -69,3 +69,19 @@ def test_local_allowance_starts_again_after_a_missed_update():
     assert g.local_samples == 4
     g.carry()
     assert g.local_samples == 0 and g.samples == 4
+
+
+def test_low_comms_local_allowance_starts_again_at_each_inner_update():
+    g = PendingGradient(ELEMENTS)
+    g.add([torch.ones(6), torch.ones(4)], samples=2, loss_sum=2.0, local=True)
+    assert g.undrained_local_samples == 2
+    g.drain()  # an inner update: the samples stay pending for the outer round, the allowance starts again
+    assert g.undrained_local_samples == 0 and g.local_samples == 2 and g.samples == 2
+    g.add([torch.ones(6), torch.ones(4)], samples=1, loss_sum=1.0, local=True)
+    g.add([torch.ones(6), torch.ones(4)], samples=3, loss_sum=3.0)  # a hand-over: not the node's own data
+    assert g.undrained_local_samples == 1
+    g.carry()
+    assert g.undrained_local_samples == 0
+    g.add([torch.ones(6), torch.ones(4)], samples=1, loss_sum=1.0, local=True)
+    g.settle()
+    assert g.undrained_local_samples == 0 and g.local_samples == 0

@@ -207,7 +207,8 @@ class NodeConfig:
     local_batch_size: int = option(8, "--local-batch-size", "sequences per local training step")
     local_seq_len: int = option(64, "--local-seq-len", "tokens per sequence of local training and handed-out batches")
     local_samples_per_update: int = option(0, "--local-samples-per-update",
-                                           "own-data samples per update, then wait for the swarm (0: no cap)")
+                                           "own-data samples per update (low-comm: per inner update), then "
+                                           "wait for the swarm (0: no cap)")
     wait_for_peers: int = option(1, "--wait-for-peers", "train on local data only once this many nodes (this one "
                                  "included) have joined the swarm, so that a run starts from one state on every "
                                  "node; browsers' packets are taken meanwhile (1: at once)")

@@ -52,6 +52,7 @@ class PendingGradient:
         self.applied_samples = self.applied_packets = 0
         self.carried_samples = self.carried_packets = 0
         self._drained_samples = 0  # of the pending ones: already in an inner update (low-communication mode)
+        self._drained_local = 0  # of the local ones: already in an inner update
 
     def add(self, sums: Sequence, samples: int, loss_sum: float, packets: int = 0, local: bool = False) -> None:
         for acc, part in zip(self.sums, sums):
@@ -91,7 +92,7 @@ class PendingGradient:
         start empty, the counts stay pending until an outer update applies them (`settle`) or misses them (`carry`)."""
         fresh = self.samples - self._drained_samples
         mean = [acc.div_(max(fresh, 1)) for acc in self._take_sums()]  # the sums themselves: no copy
-        self._drained_samples = self.samples
+        self._drained_samples, self._drained_local = self.samples, self.local_samples
         return mean
 
     def _take_sums(self) -> list[torch.Tensor]:
@@ -103,6 +104,11 @@ class PendingGradient:
     @property
     def undrained_samples(self) -> int:
         return self.samples - self._drained_samples
+
+    @property
+    def undrained_local_samples(self) -> int:
+        """The node's own samples since the last inner update (low-comm's allowance: --local-samples-per-update)."""
+        return self.local_samples - self._drained_local
 
     def mean(self) -> list[torch.Tensor]:
         """The samples-weighted mean gradient (zeros when empty): this peer's update when it averages alone."""
@@ -128,7 +134,7 @@ class PendingGradient:
         self._take_sums()
         self.samples = self.packets = self.local_samples = 0
         self.loss_sum = 0.0
-        self._carried_samples = self._carried_packets = self._drained_samples = 0
+        self._carried_samples = self._carried_packets = self._drained_samples = self._drained_local = 0
         return applied
 
     def carry(self) -> None:
@@ -136,7 +142,7 @@ class PendingGradient:
         self.carried_samples += self.samples - self._carried_samples
         self.carried_packets += self.packets - self._carried_packets
         self._carried_samples, self._carried_packets = self.samples, self.packets
-        self.local_samples = 0  # the node's own data: a new allowance for the next update
+        self.local_samples = self._drained_local = 0  # the node's own data: a new allowance for the next update
 
     def counters(self) -> GradientCounters:
         return GradientCounters(self.samples, self.packets, self.applied_samples, self.applied_packets,

@@ -499,7 +499,10 @@ class TrainingNode:
         if not self._peers_arrived and not self._enough_peers():
             return False
         limit = self.config.local_samples_per_update
-        return limit <= 0 or self.gradient.local_samples < limit
+        # low-comm: per inner update. An outer round waits for --inner-steps of them, which is the wait for the
+        # swarm: counted per outer update, a cap under them stopped a node with peers before its round was due
+        local = self.gradient.undrained_local_samples if self.low_comm else self.gradient.local_samples
+        return limit <= 0 or local < limit
 
     def _enough_peers(self) -> bool:
         """--wait-for-peers: have that many nodes joined? A node serves step 1 or later once it has; a joiner still
