@@ -116,23 +116,10 @@ def test_the_download_is_written_into_the_joiners_tensors_and_a_bad_donor_is_ski
     assert joiner.local_epoch == 5
 
 
-def file_of(t: torch.Tensor) -> tuple[int, int]:
-    """(device, inode) of the shared file that holds tensor `t` in this process."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            span = line.split(None, 1)[0]
-            low, high = (int(x, 16) for x in span.split("-"))
-            if low <= t.data_ptr() < high:
-                st = os.stat(f"/proc/self/map_files/{span}")
-                return st.st_dev, st.st_ino
-    raise LookupError("not in a mapped file")
-
-
-def copies_held(averager: SwarmStateAverager, state: list[torch.Tensor]) -> int:
-    """Bytes of shared memory the averager's process maps besides the training state's own tensors: the copies of
-    the state it was handed for downloads."""
-    own = {file_of(t) for t in state if t.numel() > 1}
-    return sum(size for key, size in memory.shared_files(averager.pid).items() if key not in own)
+def new_files_held(averager: SwarmStateAverager, before: set) -> int:
+    """Bytes of shared memory the averager's process maps in files it did not map `before`: the copies of the state
+    it was handed for downloads (whatever it inherited from this process, earlier tests' tensors too, is older)."""
+    return sum(size for key, size in memory.shared_files(averager.pid).items() if key not in before)
 
 
 def test_a_donor_hands_back_each_tensor_of_its_copy_once_sent(peers):
@@ -142,8 +129,10 @@ def test_a_donor_hands_back_each_tensor_of_its_copy_once_sent(peers):
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen)
     opt.step()
+    older = memory.shared_zeros(4 << 20).fill_(1.0)  # shared memory of this process's own, which the donor inherits
     donor = peers(opt, epoch=3, priority=1.0)
-    state = state_of(opt)
+    before = set(memory.shared_files(donor.pid))
+    assert sum(memory.shared_files(donor.pid).values()) >= (48 << 20) + 4 * older.numel()  # its state, inherited
     dht = hivemind.DHT(host_maddrs=LOCAL, start=True,
                        initial_peers=[str(m) for m in donor.dht.get_visible_maddrs()])
 
@@ -155,7 +144,7 @@ def test_a_donor_hands_back_each_tensor_of_its_copy_once_sent(peers):
         first = await stream.__anext__()
         assert first.metadata  # hivemind's first part carries the metadata
         await asyncio.sleep(2.0)  # the donor serializes ahead as far as the transport takes
-        held = copies_held(donor, state)
+        held = new_files_held(donor, before)
         await stream.aclose()
         return held
 
@@ -167,6 +156,6 @@ def test_a_donor_hands_back_each_tensor_of_its_copy_once_sent(peers):
     # (besides: a page or so of each small shared file of hivemind's, and of the copies' AdamW steps)
     assert held <= (48 - 8 << 20) + (1 << 20)
     deadline = time.monotonic() + 10.0
-    while copies_held(donor, state) > 1 << 20:  # the stream closed: the rest goes too
-        assert time.monotonic() < deadline, f"the donor still holds {copies_held(donor, state)} bytes of its copy"
+    while new_files_held(donor, before) > 1 << 20:  # the stream closed: the rest goes too
+        assert time.monotonic() < deadline, f"the donor still holds {new_files_held(donor, before)} bytes of its copy"
         time.sleep(0.2)
