@@ -257,9 +257,7 @@ class _PseudoGradient(Sequence):
     def __len__(self) -> int:
         return len(self._rounds.params)
 
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
+    def __getitem__(self, i: int) -> torch.Tensor:
         rounds = self._rounds
         with torch.no_grad():
             return rounds.anchor[i] - rounds.inner_parameter(i)

@@ -79,6 +79,11 @@ class Presence:
 
     def refresh(self, step: int, pending_samples: int) -> dict[str, PeerInfo]:
         """Announce this node and read everyone's announcements."""
+        self._announce(step, pending_samples)
+        self.nodes = {peer: PeerInfo.from_record(peer, r) for peer, r in dht_records.read(self._dht, self._key).items()}
+        return self.nodes
+
+    def _announce(self, step: int, pending_samples: int) -> None:
         self._last_announce = time.monotonic()
         training = time.monotonic() - self._last_samples_at < TRAINING_RECENTLY_S
         record = dict(step=step, bridge_port=self._bridge_port, maddrs=list(self._maddrs), training=training,
@@ -86,8 +91,6 @@ class Presence:
         if self._model is not None:
             record["model"] = self._model
         dht_records.store(self._dht, self._key, self._owner, record)
-        self.nodes = {peer: PeerInfo.from_record(peer, r) for peer, r in dht_records.read(self._dht, self._key).items()}
-        return self.nodes
 
     def other_models(self) -> dict[str, dict]:
         """peer id -> the model shape each other node announced, read without announcing this one."""
@@ -104,10 +107,10 @@ class Presence:
         this presence until the body is done."""
         stop = threading.Event()
 
-        def keep_announcing() -> None:
+        def keep_announcing() -> None:  # a store only: nobody reads the others' announcements meanwhile
             while not stop.wait(ANNOUNCE_EVERY_S):
                 try:
-                    self.refresh(step, 0)
+                    self._announce(step, 0)
                 except Exception as e:  # the next one may work; the download goes on either way
                     logger.warning(f"Announcing this node failed: {e!r}")
 
