@@ -151,5 +151,7 @@ def test_contributor_with_batches_from_the_node(data_node, mode):
     after = node.status()
     assert after["samples_total"] == status["samples_total"] + BATCH * summary["accepted"]
     assert after["contributors"] == status["contributors"] + 1
+    # an accepted packet is applied after its answer: on a fresh node the first update may still be under way
+    wait_until(lambda: _info(node)["updates"] > 0, 30, "the node's first update")
     info = _info(node)  # read first: a loss is recorded just before its step is published
     assert len(node.get_json("/api/v1/server/losses")) >= info["updates"] > 0
