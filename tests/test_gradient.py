@@ -85,3 +85,24 @@ def test_low_comms_local_allowance_starts_again_at_each_inner_update():
     g.add([torch.ones(6), torch.ones(4)], samples=1, loss_sum=1.0, local=True)
     g.settle()
     assert g.undrained_local_samples == 0 and g.local_samples == 0
+
+
+def test_an_adopted_gradient_becomes_the_empty_sums_with_the_bytes_of_zeros_plus_it():
+    grads = [torch.tensor([-0.0, 1.5, -2.0]), torch.tensor([[0.25, -0.0]])]
+    expected = PendingGradient([3, 2])
+    expected.add([g.clone() for g in grads], 2, 1.0, local=True)
+    g = PendingGradient([3, 2])
+    first = grads[0].data_ptr()
+    g.add(grads, 2, 1.0, local=True, adopt=True)
+    assert g.sums[0].data_ptr() == first  # taken, not copied
+    for mine, theirs in zip(g.sums, expected.sums):
+        assert mine.numpy().tobytes() == theirs.numpy().tobytes()  # -0.0 + 0.0 is 0.0, as zeros + -0.0 is
+    more = [torch.tensor([1.0, 1.0, 1.0]), torch.tensor([[1.0, 1.0]])]
+    g.add(more, 1, 0.5, adopt=True)  # the sums hold something: added, never replaced
+    expected.add(more, 1, 0.5)
+    assert all(torch.equal(a, b) for a, b in zip(g.sums, expected.sums))
+    assert (g.samples, g.local_samples) == (3, 2)
+    g.drain()
+    fresh = [torch.tensor([2.0, 0.0, 0.0]), torch.tensor([[0.0, 3.0]])]
+    g.add(fresh, 1, 0.0, adopt=True)  # empty again after a drain: taken again
+    assert g.sums[1].data_ptr() == fresh[1].data_ptr()

@@ -26,19 +26,27 @@ class Compute:
         self._replica: Optional[torch.nn.Module] = None
         self._replica_params: list[torch.Tensor] = []
 
+    @property
+    def owns_grads(self) -> bool:
+        """Whether the gradients `loss_and_grads` returns are new tensors the caller may keep (CPU), rather than
+        views of a buffer the next call overwrites (GPU)."""
+        return not self.device.is_cuda
+
     def loss_and_grads(self, tokens: np.ndarray, scale: int = 1, allow_unused: bool = False
                        ) -> tuple[torch.Tensor, Sequence[Optional[torch.Tensor]]]:
         """The mean LM loss on `tokens` [batch, seq_len] and `scale` times its gradient per parameter of the master
         (in its `parameters()` order), both on the CPU, fp32; no `.grad` buffer is touched (they belong to hivemind).
 
-        On a GPU the gradients are views of one pinned buffer that the next call overwrites: add them somewhere or
-        copy them before then."""
+        On the CPU the gradients are the caller's own tensors (`owns_grads`); on a GPU they are views of one pinned
+        buffer that the next call overwrites: add them somewhere or copy them before then."""
         if not self.device.is_cuda:
             x = torch.from_numpy(tokens.astype(np.int64))
             loss = self.master(input_ids=x, labels=x).loss
             grads = torch.autograd.grad(loss, self._params, allow_unused=allow_unused)
-            if scale != 1:
-                grads = [None if g is None else g.detach() * scale for g in grads]
+            if scale != 1:  # in place: autograd's outputs are this call's own tensors (P less than a scaled copy)
+                for g in grads:
+                    if g is not None:
+                        g.mul_(scale)
             return loss, grads
         self._sync()
         x = torch.from_numpy(tokens.astype(np.int64)).to(self.device.torch_device)

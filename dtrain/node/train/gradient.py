@@ -44,6 +44,7 @@ class PendingGradient:
         # per tensor: sum(samples * grad), flat; in shared memory, since hivemind's processes fork after them
         # (node.memory)
         self.sums = [memory.shared_zeros(n) for n in tensor_elements]
+        self._untouched = True  # the sums are fresh zeros that nothing has written yet
         self.samples = 0
         self.packets = 0
         self.local_samples = 0  # samples of the node's own data (for --local-samples-per-update)
@@ -54,15 +55,28 @@ class PendingGradient:
         self._drained_samples = 0  # of the pending ones: already in an inner update (low-communication mode)
         self._drained_local = 0  # of the local ones: already in an inner update
 
-    def add(self, sums: Sequence, samples: int, loss_sum: float, packets: int = 0, local: bool = False) -> None:
-        for acc, part in zip(self.sums, sums):
-            acc.add_(torch.as_tensor(part).reshape(-1))
+    def add(self, sums: Sequence, samples: int, loss_sum: float, packets: int = 0, local: bool = False,
+            adopt: bool = False) -> None:
+        """`adopt`: `sums` are the caller's own contiguous fp32 tensors, which it gives up. Into an empty pending
+        gradient they then become the sums themselves instead of being added to zeros (P less while a local batch's
+        gradient is added), with the same bytes: x + 0.0 turns a -0.0 into the 0.0 that zeros plus it makes."""
+        parts = [torch.as_tensor(part).reshape(-1) for part in sums]
+        if adopt and self._untouched and all(
+                part.dtype == torch.float32 and part.is_contiguous() and part.device.type == "cpu" for part in parts):
+            for part in parts:
+                part.add_(0.0)
+            self.sums = parts
+        else:
+            for acc, part in zip(self.sums, parts):
+                acc.add_(part)
+        self._untouched = False
         self._count(samples, loss_sum, packets, local)
 
     def add_parts(self, parts: Iterable[tuple[int, Optional[np.ndarray], np.ndarray]], samples: int, loss_sum: float,
                   packets: int = 0) -> None:
         """Add a sparse aggregate (`robust.Aggregate.parts`): per tensor its touched elements (unique; None: all of
         them) and their values. Costs what the parts hold: untouched elements are not read."""
+        self._untouched = False
         for tid, coords, values in parts:
             acc = self.sums[tid].numpy()  # the same memory
             if coords is None:
@@ -80,6 +94,7 @@ class PendingGradient:
 
     def add_contributions(self, contributions: Iterable[Contribution]) -> None:
         """Add each contribution weighted by its samples (validated by the bridge; sparse ones stay sparse)."""
+        self._untouched = False
         views = [acc.numpy() for acc in self.sums]  # the same memory
         for c in contributions:
             add_sections(views, c.sections, float(c.samples))
@@ -99,6 +114,7 @@ class PendingGradient:
         """The sums as they are, replaced by fresh zeros: untouched shared memory takes no page until written
         (node.memory), so an empty pending gradient holds no memory (P) once the taken sums are dropped."""
         taken, self.sums = self.sums, [memory.shared_zeros(acc.numel()) for acc in self.sums]
+        self._untouched = True
         return taken
 
     @property

@@ -526,7 +526,8 @@ class TrainingNode:
         # autograd.grad, not backward(): the .grad buffers belong to hivemind (reuse_grad_buffers)
         batch = tokens.shape[0]
         loss, sums = self.compute.loss_and_grads(tokens, scale=batch)  # sum over the batch of each sample's gradient
-        self.gradient.add(sums, batch, batch * loss.item(), local=True)
+        self.gradient.add(sums, batch, batch * loss.item(), local=True, adopt=self.compute.owns_grads)
+        del sums
 
     def _step(self) -> None:
         """One hivemind Optimizer.step reporting the samples gathered since the last call."""
