@@ -174,13 +174,12 @@ class SparseGatherAverager(CommittingGradientAverager):
         try:
             decoded = (sparse.decode(round_.payloads[peer][1], total, limit, quantized=True)
                        for peer in group_info.peer_ids)  # one member's at a time
-            average = sparse.average(decoded, [round_.payloads[peer][0] for peer in group_info.peer_ids], total)
+            # straight into the round's tensors (the node's .grad): no flat copy of the model in this process. A
+            # payload refused part-way leaves them half-written, in a round that is then aborted: nobody applies
+            # them (the node writes its own gradient over them, node.swarm.optimizer)
+            sparse.average_into(decoded, [round_.payloads[peer][0] for peer in group_info.peer_ids], tensors)
         except ValueError as e:
             return gathered, f"a payload was refused: {e}"
-        offset = 0
-        for t in tensors:
-            t.copy_(average[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
         return gathered, None
 
     async def _call(self, peer: PeerID, group_id: bytes, round_: _Round) -> Optional[str]:

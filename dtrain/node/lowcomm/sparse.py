@@ -229,20 +229,36 @@ def average(payloads: Iterable[tuple[torch.Tensor, torch.Tensor]], weights: Sequ
     """The weighted mean of decoded payloads as a flat fp32 tensor: the same bits for the same payloads, weights and
     order on every machine (one element-wise pass per payload, in the given order). `payloads` may be a generator
     that decodes each one as it comes: a round then holds one member's indices and values at a time, not all."""
+    out = torch.zeros(total, dtype=torch.float32)
+    average_into(payloads, weights, [out])
+    return out
+
+
+def average_into(payloads: Iterable[tuple[torch.Tensor, torch.Tensor]], weights: Sequence[float],
+                 out: Sequence[torch.Tensor]) -> None:
+    """`average` written into `out`, fp32 tensors that together are the model in its flat order (a round's
+    `.grad`): the same bits, and no flat copy of the model. Each payload's sorted indices are cut at the tensors'
+    bounds, so every element gets the same additions in the same order."""
     weights = list(weights)
     if not weights:
         raise ValueError("one weight per payload, at least one payload")
     if not all(math.isfinite(w) and w >= 0 for w in weights):
         raise ValueError(f"weights must be finite and >= 0, got {weights}")
     norm = float(sum(weights))
-    out = torch.zeros(total, dtype=torch.float32)
+    flats = [t.view(-1) for t in out]
+    for flat in flats:
+        flat.zero_()
+    bounds = torch.tensor(np.cumsum([0] + [flat.numel() for flat in flats]), dtype=torch.int64)
     count = 0
     for idx, values in payloads:  # every payload is read (and checked, when decoded here) even if norm is 0
         if count == len(weights):
             raise ValueError("one weight per payload, more payloads than weights")
         if norm:
-            out.index_add_(0, idx, values * np.float32(weights[count] / norm))
+            scaled = values * np.float32(weights[count] / norm)
+            cuts = torch.searchsorted(idx, bounds).tolist()  # decoded indices increase strictly
+            for flat, start, lo, hi in zip(flats, bounds.tolist(), cuts, cuts[1:]):
+                if hi > lo:
+                    flat.index_add_(0, idx[lo:hi] - start, scaled[lo:hi])
         count += 1
     if count != len(weights):
         raise ValueError(f"one weight per payload: {count} payloads for {len(weights)} weights")
-    return out
