@@ -9,7 +9,7 @@ from hivemind.compression import CompressionInfo, deserialize_torch_tensor, seri
 
 from dtrain.node import memory
 from dtrain.node.lowcomm import codec, deadline
-from dtrain.node.lowcomm.outer import OuterNesterov
+from dtrain.node.lowcomm.outer import OuterNesterov, nesterov_
 from dtrain.node.lowcomm.rounds import InnerRounds
 
 pytestmark = pytest.mark.unit
@@ -112,12 +112,6 @@ def test_outer_nesterov_matches_torch_sgd_and_passthrough_is_the_inner_update():
     mine.step()
     assert torch.allclose(a.detach(), inner, rtol=0, atol=1e-7)
     assert torch.equal(mine.state[a]["momentum_buffer"], buf)
-    # with the inner parameters set aside (node.lowcomm.rounds.set_aside), bit for bit
-    inner = a.detach() - torch.tensor([1e-3, -2e-3, 0.0, 5e-4, 1.0]) / 3
-    a.grad = a.detach() - inner
-    mine.landing = {id(a): inner}
-    mine.step()
-    assert torch.equal(a.detach(), inner) and torch.equal(mine.state[a]["momentum_buffer"], buf)
     with pytest.raises(ValueError):
         OuterNesterov([a], lr=0.0)
 
@@ -207,30 +201,130 @@ def test_settle_takes_the_next_snapshots_bytes_as_the_anchor():
     assert r.anchor[0].data_ptr() == served[0].ctypes.data and torch.equal(r.anchor[0], p.detach())
 
 
-def test_a_node_alone_lands_on_its_inner_parameters_and_lets_the_set_aside_copy_go():
+def _round_with_outer(n: int, seed: int = 0):
+    """A parameter after one inner update, its gradient buffer (shared, as a node's), and the outer optimizer."""
+    torch.manual_seed(seed)
+    p = torch.nn.Parameter(torch.randn(n))
+    p.grad = memory.shared_zeros(n)
+    r = InnerRounds([p], torch.optim.SGD([p], lr=0.5), 1)
+    r.inner_step([torch.randn(n)])
+    outer = OuterNesterov([p], lr=0.7, momentum=0.9)
+    outer.state[p]["momentum_buffer"].copy_(torch.randn(n))
+    return p, r, outer
+
+
+def test_the_outer_step_goes_from_the_anchor_with_no_copy_of_the_parameters():
+    n = 1 << 16
+    p, r, outer = _round_with_outer(n)
+    anchor, inner = r.anchor[0].clone(), p.detach().clone()
+    buf = outer.state[p]["momentum_buffer"].clone()
+    average = torch.randn(n)
+    # as it was done: the parameters back at the anchor, a copy of the inner updates' values set aside
+    expected_p, expected_buf = anchor.clone(), buf.clone()
+    nesterov_(expected_p, average.clone(), expected_buf, 0.7, 0.9)
+    outer.source = r.begin()
+    assert r.holds_inner() and r._inner is None and torch.equal(p.detach(), inner)  # nothing copied or moved
+    with torch.no_grad():
+        p.grad.copy_(average)  # the round's average, where hivemind's averager writes it
+    outer.step()
+    assert p.detach().numpy().tobytes() == expected_p.numpy().tobytes()  # bit for bit
+    assert outer.state[p]["momentum_buffer"].numpy().tobytes() == expected_buf.numpy().tobytes()
+    assert r.pseudo_gradient()[0].numpy().tobytes() == (anchor - inner).numpy().tobytes()  # left in .grad
+    with pytest.raises(RuntimeError):
+        r.inner_parameter(0)  # gone: nothing holds it
+    r.enter_outer()  # a download after the step (following another peer's bytes) copies nothing
+    assert r._inner is None
+    r.settle()
+    assert torch.equal(r.anchor[0], p.detach()) and not r.in_outer and not p.grad.any()
+
+
+def test_a_round_whose_update_went_without_this_node_carries_the_pseudo_gradient_from_grad():
+    p, r, outer = _round_with_outer(64, seed=1)
+    anchor, inner = r.anchor[0].clone(), p.detach().clone()
+    outer.source = r.begin()
+    with torch.no_grad():
+        p.grad.copy_(torch.randn(64))
+    outer.step()
+    swarm = torch.randn(64)
+    with torch.no_grad():
+        p.copy_(swarm)  # the peers' bytes, downloaded: this node's update was not the swarm's
+    r.carry()
+    assert torch.equal(r.anchor[0], swarm) and torch.equal(p.detach(), swarm - (anchor - inner))
+    assert not r.in_outer and r.steps == 1  # its inner update counts toward the next round
+
+
+def test_a_round_with_no_update_leaves_the_parameters_untouched():
+    p, r, outer = _round_with_outer(64, seed=2)
+    inner = p.detach().clone()
+    r.begin()
+    with torch.no_grad():
+        p.grad.copy_(r.offer()[0])
+    r.leave_outer()
+    assert torch.equal(p.detach(), inner) and not r.in_outer and not p.grad.any()
+
+
+def test_a_download_inside_the_round_sets_the_parameters_aside_and_the_step_goes_from_its_bytes():
+    p, r, outer = _round_with_outer(64, seed=3)
+    anchor, inner = r.anchor[0].clone(), p.detach().clone()
+    outer.source = r.begin()
+    r.enter_outer()  # what SwarmOptimizer.before_state_load does before a download
+    assert torch.equal(p.detach(), anchor) and torch.equal(r._inner[0], inner)
+    downloaded, average = torch.randn(64), torch.randn(64)
+    buf = outer.state[p]["momentum_buffer"].clone()
+    expected = downloaded.clone()
+    nesterov_(expected, average.clone(), buf, 0.7, 0.9)
+    with torch.no_grad():
+        p.copy_(downloaded)
+        p.grad.copy_(average)
+    outer.step()
+    assert torch.equal(p.detach(), expected)  # from the downloaded bytes, not the anchor
+    stepped = p.detach().clone()
+    r.carry()
+    assert torch.equal(p.detach(), stepped - (anchor - inner)) and torch.equal(r.anchor[0], stepped)
+
+
+def test_a_node_alone_lands_on_its_inner_parameters_with_no_copy():
     n = 1 << 20
     p = torch.nn.Parameter(torch.linspace(0.0, 1.0, n))
     p.grad = memory.shared_zeros(n)
     r = InnerRounds([p], torch.optim.SGD([p], lr=0.5), 1)
     r.inner_step([torch.ones(n)])
     inner = p.detach().clone()
-    landing = r.set_aside()  # what the outer step of a node alone copies back (node.lowcomm.outer)
+    outer = OuterNesterov([p])
+    outer.passthrough, outer.source = True, r.begin()
     with torch.no_grad():
         p.grad.copy_(r.offer(compress=False)[0])
-        p.copy_(landing[id(p)])
-    set_aside = r._inner[0]
+    momentum = outer.state[p]["momentum_buffer"].clone()
+    outer.step()
+    assert torch.equal(p.detach(), inner) and r._inner is None and not r._moved  # it never left
+    assert torch.equal(outer.state[p]["momentum_buffer"], momentum)
     r.landed()
-    assert r._inner[0] is not set_aside and r._inner[0].data_ptr() == p.data_ptr()  # the copy went
     assert not p.grad.any()  # the gradient buffers are released
     assert torch.equal(r.pseudo_gradient()[0], r.anchor[0] - inner)
     r.settle()
     assert torch.equal(p.detach(), inner) and torch.equal(r.anchor[0], inner) and not r.in_outer
 
 
+def test_a_node_alone_lands_on_the_set_aside_parameters_bit_for_bit():
+    p, r, outer = _round_with_outer(64, seed=4)
+    inner = p.detach().clone()
+    outer.passthrough, outer.source = True, r.begin()
+    r.enter_outer()  # set aside (a download came, and loaded the anchor's bytes again)
+    with torch.no_grad():
+        p.grad.copy_(r.offer(compress=False)[0])
+    outer.step()
+    assert torch.equal(p.detach(), inner)  # copied back, not anchor - pseudo-gradient (a last bit off)
+    r.landed()
+    assert r._inner is None and not p.grad.any()  # the copy went
+    r.settle()
+    assert torch.equal(r.anchor[0], inner)
+
+
 def test_landed_keeps_the_set_aside_parameters_when_the_step_put_others():
     p, r = _rounds(steps=1)
     r.inner_step([torch.tensor([1.0, 0.0, 0.0])])
-    r.set_aside()
+    r.begin()
+    r.enter_outer()
     kept = r._inner[0]
     with torch.no_grad():
         p.copy_(torch.tensor([7.0, 7.0, 7.0]))  # not where the inner updates left them (a download came)

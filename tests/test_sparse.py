@@ -217,7 +217,7 @@ def test_error_feedback_sends_everything_once_over_settled_rounds():
         r.enter_outer()
         offer = r.offer(compress=True)[0].clone()
         assert int((offer != 0).sum()) <= 1
-        assert r.offer()[0] is r.offer()[0]  # the same tensors until the round ends
+        assert r.offer() is r.offer() and torch.equal(r.offer()[0], offer)  # the same offer until the round ends
         with torch.no_grad():
             p.sub_(offer)  # an outer step that applied exactly the offer
         r.settle()
@@ -282,3 +282,36 @@ def test_the_error_feedback_holds_memory_only_once_a_round_left_something_unsent
     r.settle()
     assert torch.equal(r.feedback[0] + offer, g)  # the unsent rest, exactly
     assert _anon_kib() - before >= 30 << 10
+
+
+def test_an_average_written_into_the_models_tensors_is_the_flat_average():
+    rng = np.random.default_rng(7)
+    shapes = [(3, 5), (1,), (40,), (7, 7), (2,)]
+    total = sum(int(np.prod(s)) for s in shapes)
+    payloads = []
+    for _ in range(3):
+        idx = np.sort(rng.choice(total, 20, replace=False))
+        payloads.append((torch.from_numpy(idx), torch.from_numpy(rng.standard_normal(20).astype(np.float32))))
+    weights = [2.0, 1.0, 5.0]
+    out = [torch.full(s, float("nan")) for s in shapes]  # whatever the tensors held before: written whole
+    sparse.average_into(payloads, weights, out)
+    flat = torch.cat([t.reshape(-1) for t in out])
+    assert flat.numpy().tobytes() == sparse.average(payloads, weights, total).numpy().tobytes()
+
+
+def test_a_sparse_offer_is_top_k_of_pseudo_gradient_and_feedback_quantized_over_the_model():
+    torch.manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in ((64, 9), (5,), (300,), (1,))]
+    r = InnerRounds(params, torch.optim.SGD(params, lr=0.3), inner_steps=1, fraction=0.1)
+    with torch.no_grad():
+        for e in r.feedback:
+            e.copy_(torch.randn_like(e) * 0.01)
+    r.inner_step([torch.randn_like(p) for p in params])
+    r.enter_outer()
+    offer = r.offer(compress=True)
+    # the dense definition: top-k of each tensor, then quantized in blocks over the model's flat order
+    dense = sparse.quantize_(sparse.top_k([e + (a - q) for e, a, q in zip(r.feedback, r.anchor,
+                                                                           r.inner_parameters())], 0.1))
+    assert len(offer) == len(dense)
+    for o, d in zip(offer, dense):
+        assert o.shape == d.shape and o.numpy().tobytes() == d.numpy().tobytes()

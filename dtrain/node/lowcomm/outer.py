@@ -1,18 +1,25 @@
 """The outer optimizer of a low-communication round: Nesterov SGD on the averaged pseudo-gradient.
 
 It is what hivemind.Optimizer wraps in low-communication mode, so the swarm's update applies it to the averaged
-pseudo-gradients in `.grad` of parameters that the node reset to the round's starting point. A node alone
-(`passthrough`) has no round to average: each of its inner updates is the spec's single-server update, so the outer
-step puts the parameters where the inner AdamW left them (`landing`, bit for bit: the round's start minus the
-pseudo-gradient would round in the last bit), and the momentum stays as it is. Without `landing` it applies the
-pseudo-gradient itself (learning rate 1, no momentum).
+pseudo-gradients in `.grad`. The parameters hold the inner updates' values during the round: the step goes from the
+round's start, which `source` gives (node.lowcomm.rounds.RoundSource), and leaves each parameter's pseudo-gradient
+in its `.grad` (the average is read by then), so nobody holds a copy of the parameters for the round. A parameter
+`source` gives no start for (a download replaced it, or there is no source) steps from where it is.
+
+A node alone (`passthrough`) has no round to average: each of its inner updates is the spec's single-server update,
+so the outer step leaves the parameters where the inner AdamW put them (bit for bit: the round's start minus the
+pseudo-gradient would round in the last bit), or puts them back there from where `source` set them aside, and the
+momentum stays as it is. With no source it applies the pseudo-gradient itself (learning rate 1, no momentum).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from dtrain.node.lowcomm.rounds import RoundSource
 
 
 class OuterNesterov(torch.optim.Optimizer):
@@ -23,7 +30,7 @@ class OuterNesterov(torch.optim.Optimizer):
             raise ValueError(f"outer momentum must be in [0, 1), got {momentum!r}")
         super().__init__(params, dict(lr=lr, momentum=momentum))
         self.passthrough = False
-        self.landing: Optional[dict[int, torch.Tensor]] = None  # id(parameter) -> its value after the inner updates
+        self.source: Optional[RoundSource] = None  # the round in progress (node.lowcomm.rounds.InnerRounds.begin)
         for group in self.param_groups:  # the state exists from the start: a joiner downloads it like any other
             for p in group["params"]:
                 self.state[p] = {"momentum_buffer": torch.zeros_like(p)}
@@ -57,18 +64,25 @@ class OuterNesterov(torch.optim.Optimizer):
         return None
 
     def _step(self) -> None:
+        source = self.source
         for group in self.param_groups:
             lr, mu = group["lr"], group["momentum"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                start = source.anchor(p) if source is not None else None
                 if self.passthrough:
-                    if self.landing is not None and id(p) in self.landing:
-                        p.copy_(self.landing[id(p)])
-                    else:
+                    inner = source.inner(p) if source is not None else None
+                    if inner is not None:
+                        p.copy_(inner)
+                    elif start is None:
                         p.sub_(p.grad)
-                    continue
-                nesterov_(p, p.grad, self.state[p]["momentum_buffer"], lr, mu)
+                    continue  # else it holds the inner updates' value: where a node alone lands
+                if start is None:
+                    nesterov_(p, p.grad, self.state[p]["momentum_buffer"], lr, mu)
+                else:
+                    nesterov_from_(p, p.grad, self.state[p]["momentum_buffer"], start, lr, mu)
+                    source.moved(p)
 
 
 def nesterov_(p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, lr: float, mu: float) -> None:
@@ -76,3 +90,14 @@ def nesterov_(p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, lr: float, mu
     (node.lowcomm.ranges brings downloaded ranges forward with it)."""
     buf.mul_(mu).add_(g)
     p.add_(g.add(buf, alpha=mu), alpha=-lr)  # Nesterov: g + mu * buf
+
+
+def nesterov_from_(p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, start: torch.Tensor, lr: float,
+                   mu: float) -> None:
+    """`nesterov_` of a parameter that holds the inner updates' value `q` and starts from `start`: `p` becomes what
+    `nesterov_` makes of `start`, bit for bit, and `g` (the average, read by then) becomes the pseudo-gradient
+    `start - q`, the bits `start - q` computes."""
+    buf.mul_(mu).add_(g)
+    step = g.add(buf, alpha=mu)
+    g.copy_(start).sub_(p)
+    p.copy_(start).add_(step, alpha=-lr)

@@ -195,11 +195,11 @@ async def fetch(p2p: P2P, peer: PeerID, after: int, count: int, max_bytes: int, 
 @torch.no_grad()
 def replay(params: Sequence[torch.Tensor], outer: torch.optim.Optimizer, rounds: Sequence[Round]) -> None:
     """Apply each round's average to `params` with the outer optimizer, as the swarm's update did: the average in
-    `.grad`, one outer (never passthrough) step."""
+    `.grad`, one outer (never passthrough) step from the parameters as they are (no round's source)."""
     flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)
     views = flat.split([p.numel() for p in params])
-    passthrough = getattr(outer, "passthrough", False)
-    outer.passthrough = False
+    passthrough, source = getattr(outer, "passthrough", False), getattr(outer, "source", None)
+    outer.passthrough, outer.source = False, None
     try:
         for r in rounds:
             flat.zero_()
@@ -208,7 +208,7 @@ def replay(params: Sequence[torch.Tensor], outer: torch.optim.Optimizer, rounds:
                 p.grad.copy_(view.view_as(p))
             outer.step()
     finally:
-        outer.passthrough = passthrough
+        outer.passthrough, outer.source = passthrough, source
 
 
 class CatchUp:

@@ -2,20 +2,23 @@
 
 The node's parameters start each round at the `anchor` (the swarm's bytes after the last outer update) and move by
 inner AdamW updates on the node's data and its browsers' packets. The pseudo-gradient is anchor minus parameters.
-For the outer round the parameters go back to the anchor, with the pseudo-gradient kept aside for hivemind to
-average (`enter_outer`); after it:
+The outer round (`begin`) leaves the parameters where the inner updates put them: the outer step goes from the
+anchor (node.lowcomm.outer, `RoundSource`) and leaves the pseudo-gradient in the parameter's `.grad`, where the
+round's average was, so the round holds no copy of the parameters. A download of the swarm's state, which replaces
+them, first sets them aside (`enter_outer`: a copy, and the parameters back at the anchor, as hivemind expects a
+peer that downloads). After the round:
 - the update applied this node's pseudo-gradient (`settle`): the new parameters are the next anchor;
 - it did not (the round failed and another peer's bytes became the swarm's, or the node was behind and downloaded the
   swarm's state): `carry` takes the parameters now held as the anchor and puts the pseudo-gradient back on top of
   them, so it goes into the next round, once, with everything trained since;
-- no update happened at all (`leave_outer`): the parameters return to where the inner updates had left them.
+- no update happened at all (`leave_outer`): the parameters are, or return to, where the inner updates left them.
 Every call that may replace the parameters (an outer update, a download of the swarm's state) comes between
-`enter_outer` and one of the three. Nothing accepted is dropped and nothing goes into two outer updates.
+`begin` (or `enter_outer`) and one of the three. Nothing accepted is dropped and nothing goes into two outer updates.
 
-The gradient buffers (`.grad`) hold something only while it is used: the mean gradient of one inner update, or the
-offer during an outer round. Every use writes them whole first, so in between they hold no memory
-(`release_grads`, node.memory.release: their shared pages are handed back, in hivemind's averager too, which maps
-the same buffers).
+The gradient buffers (`.grad`) hold something only during an outer round (the offer, then the round's average, then
+the pseudo-gradient); an inner update hands AdamW its gradient as `.grad` for the step without writing the buffers.
+The round writes them whole first, so in between they hold no memory (`release_grads`, node.memory.release: their
+shared pages are handed back, in hivemind's averager too, which maps the same buffers).
 
 With a sparse codec (`fraction`), what the node offers a round (`offer`) is the top-k of its pseudo-gradient plus its
 error feedback (what earlier rounds did not send), its values quantized as they travel. `settle` keeps the unsent
@@ -25,7 +28,7 @@ and `leave_outer` leave it as it was, since the whole pseudo-gradient goes back 
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Iterator, Mapping, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -51,8 +54,10 @@ class InnerRounds:
         self.anchor: list[torch.Tensor] = []  # read only: it may be the served snapshot's bytes
         self._anchor_own = False  # the anchor is a copy of its own (it may still be shared with the snapshot)
         self._new_anchor()
-        # the inner updates' parameters, set aside during an outer round only (P less between rounds)
+        # the inner updates' parameters, set aside while a download may replace them (none in a usual round)
         self._inner: Optional[list[torch.Tensor]] = None
+        # tensors the outer step moved from the anchor in this round: their pseudo-gradient is in their .grad
+        self._moved: set[int] = set()
         self.steps = 0  # inner updates since the anchor (carried ones included)
         self.in_outer = False
         self.fraction = fraction
@@ -90,18 +95,22 @@ class InnerRounds:
         return self.steps >= self.inner_steps
 
     def inner_step(self, grads: Sequence[torch.Tensor]) -> None:
-        """One AdamW update of the node's parameters with this (mean) gradient."""
+        """One AdamW update of the node's parameters with this (mean) gradient. AdamW reads `grads` themselves, as
+        the parameters' `.grad` for the step only: the gradient buffers (hivemind's) are neither written nor held
+        (P less than copying the gradient into them), and are the same tensors again afterwards."""
         if self.in_outer:
             raise RuntimeError("inner_step() inside an outer round")
         self.share_anchor()
-        with torch.no_grad():
+        buffers = [p.grad for p in self.params]
+        try:
             for p, g in zip(self.params, grads):
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                p.grad.copy_(torch.as_tensor(g).view_as(p))
-        self.inner.step()
+                g = torch.as_tensor(g)
+                p.grad = g.view_as(p) if g.dtype == p.dtype and g.is_contiguous() else g.to(p.dtype).reshape(p.shape)
+            self.inner.step()
+        finally:
+            for p, buffer in zip(self.params, buffers):
+                p.grad = buffer
         self.steps += 1
-        self.release_grads()
 
     def release_grads(self) -> int:
         """The gradient buffers read zeros and hold no memory until the next use writes them (node.memory.release);
@@ -121,16 +130,22 @@ class InnerRounds:
             self._compress, self._offer = compress, None
         if self._offer is None:
             if self._compress and self.feedback is not None:
-                with torch.no_grad():  # tensor by tensor: the model's pseudo-gradient is never held whole
-                    kept = [sparse.top_k([e + (a - q)], self.fraction)[0]
-                            for e, a, q in zip(self.feedback, self.anchor, self.inner_parameters())]
-                    self._offer = sparse.quantize_(kept)
+                self._offer = _SparseOffer.of(self)
             else:  # read tensor by tensor: nothing held (every reader takes it inside the round, before settle)
                 self._offer = self.pseudo_gradient()
         return self._offer
 
+    def begin(self) -> "RoundSource":
+        """Enter the outer round with the parameters where the inner updates left them; returns what the outer step
+        reads of the round (node.lowcomm.outer.OuterNesterov.source). A round in progress goes on."""
+        self.in_outer = True
+        return RoundSource(self)
+
     def enter_outer(self) -> None:
-        if self.in_outer:
+        """Before anything replaces the parameters (a download of the swarm's state, a replay of missed rounds): the
+        inner updates' parameters are set aside (P) and the parameters are the anchor again. Nothing to do once they
+        are aside, or once the outer step moved them (their pseudo-gradient is in .grad then)."""
+        if self._inner is not None or self._moved:
             return
         with torch.no_grad():
             self._inner = [p.detach().clone() for p in self.params]
@@ -138,28 +153,32 @@ class InnerRounds:
                 p.copy_(a)
         self.in_outer = True
 
-    def set_aside(self) -> Mapping[int, torch.Tensor]:
-        """id(parameter) -> the inner updates' value of it, set aside inside an outer round (where a node alone's
-        passthrough outer step lands it: node.lowcomm.outer); enters the round. The mapping reads the round in
-        progress and holds no tensor of its own, so the set-aside values go once the round is over."""
-        self.enter_outer()
-        return _SetAside(self)
-
-    def at_anchor(self) -> bool:
-        """The parameters are the anchor's bytes (the ones the node serves): others may download them."""
-        return not self._replaced()
+    def holds_inner(self) -> bool:
+        """In a round that nothing has moved or replaced: the parameters are the inner updates' (a node waiting for
+        the round stays in it, its offer made once)."""
+        return self.in_outer and self._inner is None and not self._moved
 
     def _replaced(self) -> bool:
         return any(not torch.equal(p.detach(), a) for a, p in zip(self.anchor, self.params))
 
     def leave_outer(self) -> None:
-        """No outer update happened: back to the inner updates' parameters, exactly."""
+        """No outer update happened: back to the inner updates' parameters, exactly (set aside: copied back; else
+        they never left). Should the outer step have moved them all the same, the pseudo-gradient goes back on top
+        of them (`carry`)."""
         if not self.in_outer:
             return
-        with torch.no_grad():
-            for p, q in zip(self.params, self._inner):
-                p.copy_(q)
+        if self._moved:
+            self.carry()
+            return
+        if self._inner is not None:
+            with torch.no_grad():
+                for p, q in zip(self.params, self._inner):
+                    p.copy_(q)
+        self._end_round()
+
+    def _end_round(self) -> None:
         self.in_outer, self._offer, self._inner = False, None, None
+        self._moved = set()
         self.release_grads()
 
     def settle(self, served: Optional[Sequence[np.ndarray]] = None) -> None:
@@ -175,44 +194,55 @@ class InnerRounds:
                     e.add_(d).sub_(o)
                 self._feedback_written = True
         self._new_anchor(served)
-        self.steps, self.in_outer, self._offer, self._inner = 0, False, None, None
-        self.release_grads()
+        self.steps = 0
+        self._end_round()
 
     def carry(self) -> None:
         """The parameters hold the swarm's bytes without this node's pseudo-gradient (or still the anchor: nothing
         replaced them): they become the anchor and the pseudo-gradient goes back on top of them, for the next round."""
         if not self.in_outer:
-            raise RuntimeError("carry() without enter_outer(): the pseudo-gradient was not set aside")
-        if not self._replaced():
-            self.leave_outer()
+            raise RuntimeError("carry() outside an outer round")
+        if (self._inner is None and not self._moved) or (self._inner is not None and not self._replaced()):
+            self.leave_outer()  # nothing replaced the parameters: they are the inner updates' (or return there)
             return
         anchor = []
         with torch.no_grad():  # tensor by tensor: the pseudo-gradient is never held whole
-            for p, a, q in zip(self.params, self.anchor, self._inner):
-                d = a - q
+            for i, (p, a) in enumerate(zip(self.params, self.anchor)):
+                if self._inner is None and i not in self._moved:
+                    anchor.append(a)  # the outer step did not reach it: it still holds the inner updates' value
+                    continue
+                d = self.pseudo_gradient()[i]
                 anchor.append(p.detach().clone())
                 p.sub_(d)
         self.anchor, self._anchor_own = anchor, True
-        self.in_outer, self._offer, self._inner = False, None, None
-        self.release_grads()
+        self._end_round()
 
     def landed(self) -> None:
-        """A node alone's outer step put the parameters where its inner updates had left them (node.lowcomm.outer,
-        `landing`): the set-aside copy of them goes now (P), and the gradient buffers, which that step only read,
-        are released. The round then reads the parameters themselves for the inner updates' values. Nothing
-        happens if any parameter differs from its set-aside value."""
-        if not self.in_outer or self._inner is None:
+        """A node alone's outer step left the parameters where its inner updates had put them (node.lowcomm.outer,
+        passthrough): the gradient buffers, which that step only read, are released before the update's snapshot
+        is made, and a set-aside copy of the parameters goes too (P), the round then reading the parameters
+        themselves for the inner updates' values. Nothing happens if any parameter differs from its set-aside
+        value."""
+        if not self.in_outer or self._moved:
+            return
+        if self._inner is None:
+            self.release_grads()
             return
         if all(torch.equal(p.detach(), q) for p, q in zip(self.params, self._inner)):
-            self._inner = [p.detach() for p in self.params]
+            self._inner = None
             self.release_grads()
 
     def inner_parameters(self) -> list[torch.Tensor]:
-        """The inner updates' parameters, wherever they are now (set aside inside an outer round)."""
-        return list(self._inner) if self.in_outer else [p.detach() for p in self.params]
+        """The inner updates' parameters, wherever they are now (set aside while a download may replace them)."""
+        return [self.inner_parameter(i) for i in range(len(self.params))]
 
     def inner_parameter(self, i: int) -> torch.Tensor:
-        return self._inner[i] if self.in_outer else self.params[i].detach()
+        if self._inner is not None:
+            return self._inner[i]
+        if i in self._moved:
+            raise RuntimeError("the outer step moved this parameter: its pseudo-gradient is in .grad, the inner "
+                               "updates' value is gone")
+        return self.params[i].detach()
 
     def resume(self, saved_anchor: Sequence[torch.Tensor], inner_params: Sequence[torch.Tensor],
                feedback: Optional[Sequence[torch.Tensor]], steps: int) -> None:
@@ -249,7 +279,8 @@ def _views_of(arrays: Optional[Sequence[np.ndarray]], like: Sequence[torch.Tenso
 
 class _PseudoGradient(Sequence):
     """anchor - inner parameters, one tensor at a time as it is read: the model's pseudo-gradient is never held
-    whole (P). It reads the round as it is when indexed."""
+    whole (P). It reads the round as it is when indexed: once the outer step moved a tensor, the bits of it that
+    step left in its .grad."""
 
     def __init__(self, rounds: "InnerRounds"):
         self._rounds = rounds
@@ -259,28 +290,68 @@ class _PseudoGradient(Sequence):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         rounds = self._rounds
+        if i in rounds._moved:
+            return rounds.params[i].grad.detach()
         with torch.no_grad():
             return rounds.anchor[i] - rounds.inner_parameter(i)
 
 
-class _SetAside(Mapping):
-    """InnerRounds.set_aside: id(parameter) -> its set-aside value while an outer round is in progress."""
+class _SparseOffer(Sequence):
+    """A sparse round's offer, held as what it sends: per tensor the positions (int32) and quantized values of its
+    top-k of pseudo-gradient plus error feedback, 8 bytes per kept element (0.4P at top-0.2, where the dense offer
+    held P). Each tensor is made dense when it is read, with the bits the dense offer had."""
+
+    def __init__(self, like: Sequence[torch.Tensor], positions: list[torch.Tensor], values: list[torch.Tensor]):
+        self._like, self._positions, self._values = like, positions, values
+
+    @classmethod
+    @torch.no_grad()
+    def of(cls, rounds: "InnerRounds") -> "_SparseOffer":
+        positions, values = [], []
+        for e, a, q in zip(rounds.feedback, rounds.anchor, rounds.inner_parameters()):
+            kept = sparse.top_k([e + (a - q)], rounds.fraction)[0].reshape(-1)  # one tensor at a time
+            idx = torch.from_numpy(np.flatnonzero(kept.numpy()))  # a kept 0 is no position: as quantize_ reads it
+            positions.append(idx.to(torch.int32))
+            values.append(kept[idx])
+        flat = torch.cat(values) if values else torch.zeros(0)
+        sparse.quantize_([flat])  # blocks in the model's flat order, as over the dense tensors
+        values = list(torch.split(flat, [v.numel() for v in values]))
+        return cls(rounds.params, positions, values)
+
+    def __len__(self) -> int:
+        return len(self._positions)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        like = self._like[i]
+        out = torch.zeros(like.numel(), dtype=torch.float32)
+        out[self._positions[i].long()] = self._values[i]
+        return out.view_as(like)
+
+
+class RoundSource:
+    """What the outer step reads of the round in progress, parameter by parameter (node.lowcomm.outer): where the
+    parameter starts from, and what a node alone lands it on. It reads the round as it is when asked, and holds no
+    tensor of its own."""
 
     def __init__(self, rounds: InnerRounds):
         self._rounds = rounds
         self._index = {id(p): i for i, p in enumerate(rounds.params)}
 
-    def __getitem__(self, key: int) -> torch.Tensor:
-        inner = self._rounds._inner
-        if inner is None:
-            raise KeyError(key)  # no round in progress
-        return inner[self._index[key]]
+    def anchor(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        """The round's start for `p` while `p` still holds the inner updates' value (the step goes from there);
+        None when `p` holds the value to step itself (a download replaced it, or the round is over)."""
+        rounds, i = self._rounds, self._index.get(id(p))
+        if i is None or not rounds.in_outer or rounds._inner is not None or i in rounds._moved:
+            return None
+        return rounds.anchor[i]
 
-    def __contains__(self, key: object) -> bool:
-        return self._rounds._inner is not None and key in self._index
+    def inner(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        """The inner updates' value of `p` when it is set aside, else None."""
+        rounds, i = self._rounds, self._index.get(id(p))
+        if i is None or not rounds.in_outer or rounds._inner is None:
+            return None
+        return rounds._inner[i]
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._index if self._rounds._inner is not None else ())
-
-    def __len__(self) -> int:
-        return len(self._index) if self._rounds._inner is not None else 0
+    def moved(self, p: torch.Tensor) -> None:
+        """The outer step moved `p` from `anchor(p)` and left its pseudo-gradient (anchor - inner value) in p.grad."""
+        self._rounds._moved.add(self._index[id(p)])

@@ -191,6 +191,9 @@ class SwarmOptimizer(hivemind.Optimizer):
         # called with .grad holding what an update is about to apply (averaged, or this peer's own)
         self.before_update: Optional[Callable[[], None]] = None
         self.on_state_loaded: Optional[Callable[[], None]] = None  # called after every download of the state
+        # called before every download of the state, which replaces the parameters (low-comm: the node sets the
+        # inner updates' parameters aside, node.lowcomm.rounds.InnerRounds.enter_outer)
+        self.before_state_load: Optional[Callable[[], None]] = None
         self.node_catches_up = False  # the node brings a peer behind the swarm up to date itself (never step())
         # each gradient round's measured exchange (or its running out of time) sets the next one's deadline
         self.round_clock: Optional[RoundClock] = None
@@ -260,12 +263,21 @@ class SwarmOptimizer(hivemind.Optimizer):
         if self.before_update is not None:
             self.before_update()
 
+    def report_samples(self, batch_size: int) -> None:
+        """What step() does with `batch_size` new samples when no update is due, and nothing else: counts them
+        toward this peer's next update and reports its progress to the swarm. For a peer that knows no update of its
+        can begin (low-comm: its inner updates are not done): no download, no round, and `.grad` is not read."""
+        self.grad_averager.accumulate_grads_(batch_size)
+        self.tracker.report_local_progress(self.local_epoch, self.grad_averager.local_samples_accumulated)
+
     def _should_load_state_from_peers(self) -> bool:
         # hivemind downloads the whole state inside step() when this peer is behind; a node that replays the
         # rounds it missed (node.lowcomm.roundlog) would then download what it just replayed
         return False if self.node_catches_up else super()._should_load_state_from_peers()
 
     def load_state_from_peers(self, **kwargs):
+        if self.before_state_load is not None:
+            self.before_state_load()
         super().load_state_from_peers(**kwargs)
         if self.on_state_loaded is not None:
             self.on_state_loaded()

@@ -60,16 +60,19 @@ class OuterRoundLoop:
             node.rounds.inner_step(node.gradient.drain())
 
     def _step(self) -> None:
-        """One hivemind Optimizer.step: reports the samples of the inner updates and, when the round is due, runs
-        it. The parameters are at the round's start (the anchor) inside it, with the pseudo-gradient set aside:
-        whatever replaces them there (an outer update, a download) is followed by settle or carry."""
+        """One hivemind Optimizer.step, once the round is due (or the node is alone): reports the samples of the
+        inner updates and runs the round. The parameters stay where the inner updates left them inside it (the outer
+        step goes from the anchor, a download sets them aside first: node.lowcomm.rounds): whatever replaces them
+        there (an outer update, a download) is followed by settle or carry."""
         node = self.node
         opt, rounds = node.swarm.optimizer, node.rounds
         alone = node._alone()
         self.round_due = alone or rounds.due
+        if not self.round_due:
+            self._report()
+            return
         outer = opt.state_averager.optimizer
-        outer.passthrough, outer.landing = alone, rounds.set_aside() if alone else None
-        rounds.enter_outer()
+        outer.passthrough, outer.source = alone, rounds.begin()
         node._recheck(force=opt.tracker.ready_to_update_epoch)  # may download the swarm's bytes of the last step
         if node._unverified:
             rounds.carry()
@@ -88,9 +91,8 @@ class OuterRoundLoop:
         if opt.state_averager.torn:  # hivemind's download inside step() failed part-way: loaded again
             node._unverified = True
         if opt.local_epoch == epoch_before:
-            if rounds.due and rounds.at_anchor():
-                # waiting for the round: the parameters stay at the anchor, the served bytes, which a joiner may
-                # download meanwhile (a node shares its state only at the anchor)
+            if rounds.due and rounds.holds_inner():
+                # waiting for the round: in it, its offer made once; a joiner downloads the served snapshot
                 node._share_state()
                 return
             rounds.carry()  # back to the inner updates' parameters (on the swarm's bytes, if a download came)
@@ -99,13 +101,29 @@ class OuterRoundLoop:
         outcome = opt.last_round
         if outcome is not round_before and outcome.epoch == opt.local_epoch:
             if alone:
-                rounds.landed()  # the set-aside parameters and .grad go before the update's snapshot is made
+                rounds.landed()  # .grad (and parameters set aside, if any) go before the update's snapshot is made
             if node.catchup is not None:
                 node.catchup.record(outcome)
             node._after_update(outcome, time.monotonic() - started)
             node._updated(time.monotonic() - started)
         else:  # hivemind downloaded the swarm's state inside step()
             node._after_catch_up(node.agreement.check_download())
+
+    def _report(self) -> None:
+        """With peers, before this node's inner updates are done: its new samples go to the swarm's progress, and
+        nothing else. No round can begin (the tracker waits for this node's), so the parameters stay where the inner
+        updates left them: no set-aside copy and no offer until the round is due. A download the swarm's progress
+        calls for comes from `_catch_up`, which sets the pseudo-gradient aside itself."""
+        node = self.node
+        node._recheck(force=False)  # a download (following another peer's bytes) sets them aside first
+        if node.rounds.in_outer:
+            node.rounds.carry()  # onto the bytes it downloaded
+            node._sync_sharing()
+        opt = node.swarm.optimizer
+        new_samples = max(node.gradient.samples - opt.grad_averager.local_samples_accumulated, 0)
+        if new_samples and not node._unverified:
+            node.presence.reported_samples()
+            opt.report_samples(new_samples)
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
 

@@ -319,6 +319,7 @@ class TrainingNode:
             self.rounds = InnerRounds(list(self.model.parameters()), inner, cfg.swarm.inner_steps, fraction,
                                       published=lambda: self._snapshot.f32 if self._snapshot is not None else None)
             opt.tracker.round_due = lambda: self.outer_rounds.round_due
+            opt.before_state_load = self.rounds.enter_outer  # whatever downloads: the inner parameters aside first
             if fraction is not None:  # every node computes the same outer step: a node behind may replay rounds
                 self.catchup = CatchUp(swarm, self.agreement, self.model, fraction, cfg.swarm.link_mbit)
                 if cfg.swarm.state_donors > 0 and not swarm.client_mode:  # nobody can dial a client-mode peer
