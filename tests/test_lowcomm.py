@@ -234,6 +234,10 @@ def test_the_outer_step_goes_from_the_anchor_with_no_copy_of_the_parameters():
         r.inner_parameter(0)  # gone: nothing holds it
     r.enter_outer()  # a download after the step (following another peer's bytes) copies nothing
     assert r._inner is None
+    r.applied()  # the update applied the offer: .grad goes before the node makes the update's snapshot
+    assert not p.grad.any() and r.in_outer
+    with pytest.raises(RuntimeError):
+        r.carry()  # the pseudo-gradient is gone: only settle may follow
     r.settle()
     assert torch.equal(r.anchor[0], p.detach()) and not r.in_outer and not p.grad.any()
 

@@ -2,10 +2,11 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from dtrain.node.config import ModelConfig
 from dtrain.node.model import build_model
-from dtrain.node.snapshot import make_snapshot
+from dtrain.node.snapshot import PendingSnapshot, make_snapshot
 from tests.nodeproc import TINY_CONFIG
 
 pytestmark = pytest.mark.unit
@@ -24,3 +25,13 @@ def test_fp16_is_made_once_on_first_use_and_equals_numpys_cast():
     assert all(np.array_equal(h.view(np.uint16), a.astype(np.float16).view(np.uint16)) for h, a in zip(snap.f16, snap.f32))
     whole = snap.f16_file.read()
     assert [whole[o:o + h.nbytes] for o, h in zip(snap.f16_offsets, snap.f16)] == [h.tobytes() for h in snap.f16]
+
+
+def test_a_pending_snapshot_is_the_digest_of_the_parameters_and_makes_their_snapshot():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    pending = PendingSnapshot.of(model, 7)
+    made, direct = pending.make(model), make_snapshot(model, 7)
+    assert (pending.updates, pending.digest) == (7, direct.digest)
+    assert made.digest == direct.digest and made.step == direct.step == 8
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(made.f32, direct.f32))

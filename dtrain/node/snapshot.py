@@ -101,7 +101,8 @@ def _views(flat: np.ndarray, sizes: list[int]) -> tuple[np.ndarray, ...]:
     return out
 
 
-def make_snapshot(model: torch.nn.Module, epoch: int) -> Snapshot:
+def make_snapshot(model: torch.nn.Module, epoch: int, known_digest: Optional[str] = None) -> Snapshot:
+    """`known_digest`: the parameters' digest, computed since they last changed (PendingSnapshot): not again."""
     params = [p.detach().reshape(-1) for p in model.parameters()]
     sizes = [int(p.numel()) for p in params]
     total = sum(sizes)
@@ -113,6 +114,23 @@ def make_snapshot(model: torch.nn.Module, epoch: int) -> Snapshot:
     f32 = _views(f32_flat, sizes)
     f32_flat.setflags(write=False)
     offsets = np.cumsum([0] + sizes[:-1]).tolist() if sizes else []
-    return Snapshot(step=epoch + 1, updates=epoch, f32=f32, digest=digest(f32), f32_file=f32_file,
+    return Snapshot(step=epoch + 1, updates=epoch, f32=f32, digest=known_digest or digest(f32), f32_file=f32_file,
                     f32_offsets=tuple(4 * o for o in offsets), f16_offsets=tuple(2 * o for o in offsets),
                     _half=_Half(f32_tensor, sizes))
+
+
+@dataclass(frozen=True)
+class PendingSnapshot:
+    """The parameters of one step by their digest alone, before their snapshot is made: what the peers of an update
+    agree on (node.swarm.agreement), so that the copy can be made once what the update's round held is gone.
+    Nothing may write the parameters before `make`."""
+
+    updates: int
+    digest: str
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, epoch: int) -> "PendingSnapshot":
+        return cls(epoch, params_digest(model))
+
+    def make(self, model: torch.nn.Module) -> Snapshot:
+        return make_snapshot(model, self.updates, known_digest=self.digest)

@@ -58,6 +58,7 @@ class InnerRounds:
         self._inner: Optional[list[torch.Tensor]] = None
         # tensors the outer step moved from the anchor in this round: their pseudo-gradient is in their .grad
         self._moved: set[int] = set()
+        self._applied = False  # the round's update applied the offer and its pseudo-gradient is gone (`applied`)
         self.steps = 0  # inner updates since the anchor (carried ones included)
         self.in_outer = False
         self.fraction = fraction
@@ -178,13 +179,25 @@ class InnerRounds:
 
     def _end_round(self) -> None:
         self.in_outer, self._offer, self._inner = False, None, None
-        self._moved = set()
+        self._moved, self._applied = set(), False
         self.release_grads()
 
     def settle(self, served: Optional[Sequence[np.ndarray]] = None) -> None:
         """The parameters hold an outer update that applied this node's offer: the next anchor (views of `served`,
         the snapshot the node publishes next, when it holds their bytes). What the offer left out of the
-        pseudo-gradient (and of the earlier error feedback) is the error feedback now."""
+        pseudo-gradient (and of the earlier error feedback) is the error feedback now (`applied`, if not called
+        yet)."""
+        self.applied()
+        self._new_anchor(served)
+        self.steps = 0
+        self._end_round()
+
+    def applied(self) -> None:
+        """The first half of `settle`, for a node that makes the update's snapshot in between: the error feedback
+        takes what the offer left out, and the round's `.grad` (the pseudo-gradient) and offer go, before the
+        snapshot is made (P and more less at the update's peak). Only `settle` may follow."""
+        if self._applied:
+            return
         with torch.no_grad():
             # an offer of the whole pseudo-gradient leaves zero feedback at zero ((0 + d) - d is 0 exactly): its
             # pages stay untouched
@@ -193,15 +206,16 @@ class InnerRounds:
                 for e, d, o in zip(self.feedback, delta, offer):
                     e.add_(d).sub_(o)
                 self._feedback_written = True
-        self._new_anchor(served)
-        self.steps = 0
-        self._end_round()
+        self._applied, self._offer = True, None
+        self.release_grads()
 
     def carry(self) -> None:
         """The parameters hold the swarm's bytes without this node's pseudo-gradient (or still the anchor: nothing
         replaced them): they become the anchor and the pseudo-gradient goes back on top of them, for the next round."""
         if not self.in_outer:
             raise RuntimeError("carry() outside an outer round")
+        if self._applied:
+            raise RuntimeError("carry() after applied(): the round's pseudo-gradient is gone")
         if (self._inner is None and not self._moved) or (self._inner is not None and not self._replaced()):
             self.leave_outer()  # nothing replaced the parameters: they are the inner updates' (or return there)
             return

@@ -37,7 +37,7 @@ from hivemind.utils.logging import get_logger
 
 from dtrain.node.swarm import records as dht_records
 from dtrain.node.config import SwarmConfig
-from dtrain.node.snapshot import Snapshot, make_snapshot, params_digest
+from dtrain.node.snapshot import PendingSnapshot, Snapshot, make_snapshot, params_digest
 from dtrain.node.swarm.optimizer import RoundOutcome, SwarmOptimizer
 
 logger = get_logger(__name__)
@@ -90,7 +90,9 @@ class Download(Enum):
 class Verdict:
     """What a peer serves after an update, and whether that update applied its own gradient."""
 
-    snapshot: Optional[Snapshot]  # None: the model holds bytes nobody vouched for; keep serving the last step
+    # None: the model holds bytes nobody vouched for; keep serving the last step. The PendingSnapshot it was given
+    # when the swarm serves this peer's own bytes (made by the caller), a Snapshot of the bytes it followed
+    snapshot: Optional[Snapshot | PendingSnapshot]
     included: bool  # the update the swarm serves holds this peer's gradient
     reference: str  # the peer whose bytes the swarm serves
 
@@ -287,7 +289,7 @@ class Agreement:
 
     # ---- after an update -------------------------------------------------------------------------------------
 
-    def after_update(self, snap: Snapshot, outcome: RoundOutcome) -> Verdict:
+    def after_update(self, snap: Snapshot | PendingSnapshot, outcome: RoundOutcome) -> Verdict:
         """Publish this peer's parameters of a new update, agree on the epoch's bytes (rules 1-3), return what to
         serve. Waits (at most `group_wait_s`) only for the members of a complete round's group: they all finished
         the same gradient round, so their records come within one state-averaging round of each other. A peer whose
@@ -311,7 +313,7 @@ class Agreement:
                 break
         return self._serve(snap, mine, records)
 
-    def _serve(self, snap: Snapshot, mine: Record, records: dict[str, Record]) -> Verdict:
+    def _serve(self, snap: Snapshot | PendingSnapshot, mine: Record, records: dict[str, Record]) -> Verdict:
         epoch = snap.updates
         reference_peer, reference = reference_of(records)
         # serving its own update's bytes, a peer serves its own gradient (averaged, or alone after a failed round);

@@ -40,7 +40,7 @@ from dtrain.node.train.pool import ContributionPool
 from dtrain.node.swarm.presence import ANNOUNCE_EVERY_S, PeerInfo, Presence
 from dtrain.node.train.reference import ReferenceConfig, ReferenceSource
 from dtrain.node.train.robust import RobustAggregator, RobustConfig, all_finite, optimizer_state_tensors
-from dtrain.node.snapshot import Snapshot, make_snapshot, params_digest
+from dtrain.node.snapshot import PendingSnapshot, Snapshot, make_snapshot, params_digest
 from dtrain.node.swarm.deadlines import RoundClock, swarm_deadlines
 from dtrain.node.swarm.optimizer import SHUTDOWN_TIMEOUT_S, Swarm, make_local_optimizer, regroup_state_dict
 from dtrain.node.swarm.state import ServedState, keep_state_shared
@@ -569,11 +569,16 @@ class TrainingNode:
                 logger.exception(f"update listener failed: {e}")
 
     def _after_update(self, outcome, took_s: float) -> None:
-        snap = make_snapshot(self.model, outcome.epoch)
-        verdict = self.agreement.after_update(snap, outcome)
+        # the peers agree on digests: the update's snapshot (P) is made once the round's buffers are gone
+        verdict = self.agreement.after_update(PendingSnapshot.of(self.model, outcome.epoch), outcome)
+        snap = verdict.snapshot
+        if self.rounds is not None and verdict.included:
+            self.rounds.applied()  # low-comm: .grad and the offer go first
+        if isinstance(snap, PendingSnapshot):  # the swarm serves this node's bytes
+            snap = snap.make(self.model)
         if self.rounds is not None:  # the parameters hold the swarm's update now, with or without this node's work
             if verdict.included:  # the anchor: the snapshot's bytes, which the node publishes below
-                self.rounds.settle(verdict.snapshot.f32 if verdict.snapshot is not None else None)
+                self.rounds.settle(snap.f32 if snap is not None else None)
             else:
                 self.rounds.carry()
             self._sync_sharing()
@@ -592,10 +597,10 @@ class TrainingNode:
             self.gradient.carry()
             logger.info(f"update {outcome.epoch} went without this node's gradient (peer {verdict.reference}'s "
                         f"bytes); carrying {self.gradient.samples} samples into the next update")
-        if verdict.snapshot is None:
+        if snap is None:
             self._unverified = True  # keep serving the last step; _catch_up downloads again
         else:
-            self._publish(verdict.snapshot)
+            self._publish(snap)
 
     def _refuse_non_finite(self, before: Snapshot) -> None:
         """Never a non-finite model: an update that left a parameter or Adam moment non-finite (a peer's average,
