@@ -315,3 +315,20 @@ def test_a_sparse_offer_is_top_k_of_pseudo_gradient_and_feedback_quantized_over_
     assert len(offer) == len(dense)
     for o, d in zip(offer, dense):
         assert o.shape == d.shape and o.numpy().tobytes() == d.numpy().tobytes()
+
+
+def test_a_bitmask_decoded_piece_by_piece_gives_the_positions_of_one_pass(monkeypatch):
+    rng = np.random.default_rng(11)
+    flat = torch.from_numpy(np.where(rng.random(203) < 0.5, rng.standard_normal(203), 0.0).astype(np.float32))
+    data = sparse.encode(flat)
+    assert data[8] == sparse.BITMASK
+    whole = sparse.decode(data, 203, 203)
+    monkeypatch.setattr(sparse, "UNPACK_BYTES", 3)  # 24 elements at a time, the last piece short
+    pieces = sparse.decode(data, 203, 203)
+    assert pieces[0].dtype == torch.int32 and torch.equal(pieces[0], whole[0]) and torch.equal(pieces[1], whole[1])
+    assert torch.equal(pieces[0].long(), torch.nonzero(flat).reshape(-1))
+    with pytest.raises(sparse.BadPayload, match="at or past 10"):  # a padding bit, in a later piece
+        sparse.decode(_bitmask("0100000000000100", [1.0, 2.0]), total=10, limit=2)
+    monkeypatch.setattr(sparse, "UNPACK_BYTES", 1)
+    with pytest.raises(sparse.BadPayload, match="marks more than"):  # found before the whole mask is read
+        sparse.decode(_bitmask("1111111111", [1.0] * 3), total=10, limit=10)

@@ -178,9 +178,19 @@ def encode(flat, quantized: bool = False) -> bytes:
     return b"".join([header, memoryview(positions).cast("B"), *(memoryview(w).cast("B") for w in wire)])
 
 
+def index_dtype(total: int) -> torch.dtype:
+    """The positions of a `total`-element model: int32 while they fit (half the bytes of int64)."""
+    return torch.int32 if total <= 2 ** 31 - 1 else torch.int64
+
+
+UNPACK_BYTES = 1 << 22  # bitmask bytes unpacked at once: positions are found without a byte per model element
+
+
 def decode(data: bytes, total: int, limit: int, quantized: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(indices int64, values f32) of a payload for a model of `total` elements carrying at most `limit` of them,
-    with 8-bit values if `quantized` else fp32."""
+    """(indices, values f32) of a payload for a model of `total` elements carrying at most `limit` of them, with
+    8-bit values if `quantized` else fp32. Indices are `index_dtype(total)` (int32 for any model under 2^31
+    elements), increasing; decoding holds them and the values, 8 bytes per element carried, and a bounded piece of
+    the bitmask at a time."""
     if len(data) < HEADER.size:
         raise BadPayload(f"a payload of {len(data)} bytes has no header")
     magic, count, layout, kind = HEADER.unpack_from(data)
@@ -197,17 +207,27 @@ def decode(data: bytes, total: int, limit: int, quantized: bool = False) -> tupl
     if len(data) != expected:
         raise BadPayload(f"{len(data)} bytes for {count} elements (expected {expected})")
     pos_end = HEADER.size + positions_bytes(count, total)
+    np_index = np.int32 if index_dtype(total) == torch.int32 else np.int64
     if layout == BITMASK:
-        bits = np.unpackbits(np.frombuffer(data, np.uint8, pos_end - HEADER.size, HEADER.size), bitorder="little")
-        if bits[total:].any():
-            raise BadPayload(f"the bitmask marks elements at or past {total}")
-        idx = np.flatnonzero(bits[:total])
-        if idx.size != count:
-            raise BadPayload(f"the bitmask marks {idx.size} elements, the header says {count}")
+        mask = np.frombuffer(data, np.uint8, pos_end - HEADER.size, HEADER.size)
+        idx, found = np.empty(count, np_index), 0
+        for start in range(0, mask.size, UNPACK_BYTES):
+            bits = np.unpackbits(mask[start:start + UNPACK_BYTES], bitorder="little")
+            first = 8 * start
+            if first + bits.size > total and bits[max(total - first, 0):].any():
+                raise BadPayload(f"the bitmask marks elements at or past {total}")
+            here = np.flatnonzero(bits[:max(total - first, 0)])
+            if found + here.size > count:
+                raise BadPayload(f"the bitmask marks more than the {count} elements the header says")
+            idx[found:found + here.size] = here + first
+            found += here.size
+        if found != count:
+            raise BadPayload(f"the bitmask marks {found} elements, the header says {count}")
     else:
-        idx = np.frombuffer(data, "<u4", count, HEADER.size).astype(np.int64)
-        if count and (idx[-1] >= total or np.any(np.diff(idx) <= 0)):
+        raw = np.frombuffer(data, "<u4", count, HEADER.size)
+        if count and (int(raw[-1]) >= total or not np.all(raw[1:] > raw[:-1])):
             raise BadPayload(f"indices must increase strictly and stay below {total}")
+        idx = raw.astype(np_index)
     if quantized:
         blocks = -(-count // BLOCK)
         e = np.frombuffer(data, np.int8, blocks, pos_end)
@@ -221,7 +241,7 @@ def decode(data: bytes, total: int, limit: int, quantized: bool = False) -> tupl
         values = np.frombuffer(data, "<f4", count, pos_end).astype(np.float32)
         if not np.all(np.isfinite(values)):
             raise BadPayload("values must be finite")
-    return torch.from_numpy(idx.astype(np.int64, copy=False)), torch.from_numpy(values)
+    return torch.from_numpy(idx), torch.from_numpy(values)
 
 
 def average(payloads: Iterable[tuple[torch.Tensor, torch.Tensor]], weights: Sequence[float],
@@ -248,14 +268,14 @@ def average_into(payloads: Iterable[tuple[torch.Tensor, torch.Tensor]], weights:
     flats = [t.view(-1) for t in out]
     for flat in flats:
         flat.zero_()
-    bounds = torch.tensor(np.cumsum([0] + [flat.numel() for flat in flats]), dtype=torch.int64)
+    bounds = np.cumsum([0] + [flat.numel() for flat in flats])
     count = 0
     for idx, values in payloads:  # every payload is read (and checked, when decoded here) even if norm is 0
         if count == len(weights):
             raise ValueError("one weight per payload, more payloads than weights")
         if norm:
             scaled = values * np.float32(weights[count] / norm)
-            cuts = torch.searchsorted(idx, bounds).tolist()  # decoded indices increase strictly
+            cuts = torch.searchsorted(idx, torch.tensor(bounds, dtype=idx.dtype)).tolist()  # indices increase
             for flat, start, lo, hi in zip(flats, bounds.tolist(), cuts, cuts[1:]):
                 if hi > lo:
                     flat.index_add_(0, idx[lo:hi] - start, scaled[lo:hi])
