@@ -242,6 +242,7 @@ class SwarmStateAverager(Retimable, KeyGatedServicer, TrainingStateAverager):
         finally:
             if not future.done():
                 future.set_result(Downloaded(None, torn))
+            memory.trim()  # the received chunks' pages, kept by glibc once free (as a donor's, rpc_download_state)
 
     async def _state_peers(self) -> list:
         """The peers that declared they share their state, highest priority first (ties at random), as hivemind's
@@ -285,6 +286,10 @@ class SwarmStateAverager(Retimable, KeyGatedServicer, TrainingStateAverager):
                         yield averaging_pb2.DownloadData(tensor_part=part)
         finally:  # a stream cut short: what it did not send goes too
             release(tensors)
+            del tensors
+            # the stream's parts (under glibc's mmap threshold, from this process's heap) are free now, but glibc
+            # keeps such pages: more than 1.5 GiB of GPT-2 medium's state in this process after one download
+            memory.trim()
 
     def step(self, *args, averaging_round: bool = False, averaging_control=None, increment_epoch: bool = False,
              averaging_opts: Optional[dict] = None, **kwargs):
