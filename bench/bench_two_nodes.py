@@ -101,6 +101,10 @@ def main() -> None:
             rows["after the update"] = dict(watch.last)
             text = complete(node_a, a.prompt, 8)
             watch.check()
+        except BaseException:
+            for node in nodes:  # where each node was when the run stopped
+                print(f"--- {node.name}'s last lines ---\n" + "\n".join(node.output().splitlines()[-25:]), file=sys.stderr)
+            raise
         finally:
             for node in nodes:
                 node.kill()
