@@ -315,6 +315,8 @@ def test_a_sparse_offer_is_top_k_of_pseudo_gradient_and_feedback_quantized_over_
     assert len(offer) == len(dense)
     for o, d in zip(offer, dense):
         assert o.shape == d.shape and o.numpy().tobytes() == d.numpy().tobytes()
+    assert offer[2].numpy().tobytes() == dense[2].numpy().tobytes()
+    assert offer.payload == sparse.encode(dense, quantized=True)  # held as the bytes it sends, nothing dense
 
 
 def test_a_bitmask_decoded_piece_by_piece_gives_the_positions_of_one_pass(monkeypatch):

@@ -28,7 +28,7 @@ and `leave_outer` leave it as it was, since the whole pseudo-gradient goes back 
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -311,35 +311,51 @@ class _PseudoGradient(Sequence):
 
 
 class _SparseOffer(Sequence):
-    """A sparse round's offer, held as what it sends: per tensor the positions (int32) and quantized values of its
-    top-k of pseudo-gradient plus error feedback, 8 bytes per kept element (0.4P at top-0.2, where the dense offer
-    held P). Each tensor is made dense when it is read, with the bits the dense offer had."""
+    """A sparse round's offer, held as the payload it sends (node.lowcomm.sparse: positions and 8-bit values, about
+    0.06P at top-0.2, where the dense offer held P): the top-k of pseudo-gradient plus error feedback of each tensor,
+    quantized over the model's flat order. Iterating decodes it once and gives each tensor dense, with the bits the
+    dense offer had; indexing decodes it for that tensor."""
 
-    def __init__(self, like: Sequence[torch.Tensor], positions: list[torch.Tensor], values: list[torch.Tensor]):
-        self._like, self._positions, self._values = like, positions, values
+    def __init__(self, like: Sequence[torch.Tensor], payload: bytes):
+        self._like, self.payload = list(like), payload
+        self._total = sum(t.numel() for t in self._like)
 
     @classmethod
     @torch.no_grad()
     def of(cls, rounds: "InnerRounds") -> "_SparseOffer":
-        positions, values = [], []
+        total = sum(p.numel() for p in rounds.params)
+        index = np.int32 if sparse.index_dtype(total) == torch.int32 else np.int64
+        positions, values, offset = [], [], 0
         for e, a, q in zip(rounds.feedback, rounds.anchor, rounds.inner_parameters()):
             kept = sparse.top_k([e + (a - q)], rounds.fraction)[0].reshape(-1)  # one tensor at a time
-            idx = torch.from_numpy(np.flatnonzero(kept.numpy()))  # a kept 0 is no position: as quantize_ reads it
-            positions.append(idx.to(torch.int32))
-            values.append(kept[idx])
+            idx = np.flatnonzero(kept.numpy())  # a kept 0 is no position: as quantize_ reads it
+            values.append(kept[torch.from_numpy(idx)])
+            positions.append((idx + offset).astype(index))
+            offset += kept.numel()
         flat = torch.cat(values) if values else torch.zeros(0)
+        del values
         sparse.quantize_([flat])  # blocks in the model's flat order, as over the dense tensors
-        values = list(torch.split(flat, [v.numel() for v in values]))
-        return cls(rounds.params, positions, values)
+        positions = np.concatenate(positions) if positions else np.zeros(0, np.int64)
+        return cls(rounds.params, sparse.encode_kept(positions, flat.numpy(), offset, quantized=True))
 
     def __len__(self) -> int:
-        return len(self._positions)
+        return len(self._like)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        idx, values = sparse.decode(self.payload, self._total, self._total, quantized=True)
+        start = 0
+        cuts = np.searchsorted(idx.numpy(), np.cumsum([0] + [t.numel() for t in self._like]))
+        for like, lo, hi in zip(self._like, cuts, cuts[1:]):
+            out = torch.zeros(like.numel(), dtype=torch.float32)
+            out[idx[lo:hi] - start] = values[lo:hi]
+            start += like.numel()
+            yield out.view_as(like)
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        like = self._like[i]
-        out = torch.zeros(like.numel(), dtype=torch.float32)
-        out[self._positions[i].long()] = self._values[i]
-        return out.view_as(like)
+        for j, tensor in enumerate(self):
+            if j == i:
+                return tensor
+        raise IndexError(i)
 
 
 class RoundSource:

@@ -164,6 +164,20 @@ def encode(flat, quantized: bool = False) -> bytes:
         kept_here = part[marks[offset:offset + part.size]]
         values[kept:kept + kept_here.size] = kept_here
         offset, kept = offset + part.size, kept + kept_here.size
+    return _assemble(marks, values, quantized)
+
+
+def encode_kept(positions: np.ndarray, values: np.ndarray, total: int, quantized: bool = False) -> bytes:
+    """`encode` of a `total`-element model whose non-zero elements are `values` (f32) at `positions` (increasing):
+    the same bytes, from what a sparse offer holds (node.lowcomm.rounds) rather than dense tensors."""
+    marks = np.zeros(total, dtype=bool)
+    marks[positions] = True
+    return _assemble(marks, np.asarray(values, dtype="<f4"), quantized)
+
+
+def _assemble(marks: np.ndarray, values: np.ndarray, quantized: bool) -> bytes:
+    """The payload of the elements `marks` marks (a bool per model element), `values` theirs in order."""
+    total, count = marks.size, values.size
     if quantized:
         e, q = _quantize_values(values)
         wire = [e, q]
@@ -274,11 +288,11 @@ def average_into(payloads: Iterable[tuple[torch.Tensor, torch.Tensor]], weights:
         if count == len(weights):
             raise ValueError("one weight per payload, more payloads than weights")
         if norm:
-            scaled = values * np.float32(weights[count] / norm)
+            weight = np.float32(weights[count] / norm)
             cuts = torch.searchsorted(idx, torch.tensor(bounds, dtype=idx.dtype)).tolist()  # indices increase
             for flat, start, lo, hi in zip(flats, bounds.tolist(), cuts, cuts[1:]):
-                if hi > lo:
-                    flat.index_add_(0, idx[lo:hi] - start, scaled[lo:hi])
+                if hi > lo:  # scaled a tensor's values at a time: no scaled copy of the whole payload
+                    flat.index_add_(0, idx[lo:hi] - start, values[lo:hi] * weight)
         count += 1
     if count != len(weights):
         raise ValueError(f"one weight per payload: {count} payloads for {len(weights)} weights")
