@@ -2,6 +2,8 @@
 answer over a real libp2p stream, and a replay that gives the same bits as the updates it replays."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -35,6 +37,21 @@ def test_the_log_keeps_the_last_rounds_and_answers_without_gaps():
     assert [e for e, _ in log.after(3, 10)] == [4] and len(log) == 1
     log.clear()
     assert len(log) == 0 and log.after(3, 10) == []
+
+
+def test_the_log_keeps_its_rounds_in_unlinked_files_and_reads_them_back_exactly():
+    log = roundlog.RoundLog()
+    data = {epoch: payload(epoch) for epoch in (1, 2)}
+    for epoch, d in data.items():
+        log.add(epoch, d)
+    held = log.after(0, 2)
+    for (epoch, entry), expected in zip(held, data.values()):
+        st = os.fstat(entry._file.fileno())
+        assert st.st_size == len(entry) == len(expected) and st.st_nlink == 0  # on disk, no name left behind
+        assert bytes(entry) == expected and entry[5:17] == expected[5:17]
+    assert roundlog.frame(held) == roundlog.frame(list(data.items()))  # the answer's bytes, as from memory
+    log.clear()
+    assert bytes(held[1][1]) == data[2]  # an answer under way keeps reading what the log dropped meanwhile
 
 
 def test_the_log_keeps_no_more_bytes_of_rounds_than_it_is_given():

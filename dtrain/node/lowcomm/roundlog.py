@@ -17,7 +17,9 @@ payload (node.lowcomm.sparse); rounds in increasing epoch order, each one epoch 
 from __future__ import annotations
 
 import asyncio
+import os
 import struct
+import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -70,13 +72,45 @@ def entry_limit(sizes: Sequence[int], fraction: float) -> int:
     return min(sum(sizes), MAX_GROUP * sparse.max_kept(sizes, fraction))
 
 
+class OnDisk:
+    """Bytes kept in an unlinked temporary file (in TMPDIR, or the system's temporary directory), read back by
+    length and slice: a log of rounds then costs the kernel's page cache, which it writes out and drops under
+    pressure, not the node's memory (up to 2P; a GPT-2 medium round between two nodes is about 0.6 GB). The file
+    goes with the last reference to it."""
+
+    def __init__(self, data: bytes):
+        self._file = tempfile.TemporaryFile(prefix="dtrain-round-")
+        self._file.write(data)
+        self._file.flush()
+        self._size = len(data)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, key: slice) -> bytes:
+        start, stop, step = key.indices(self._size)
+        if step != 1:
+            raise ValueError("only contiguous slices")
+        out = bytearray()
+        while start + len(out) < stop:  # a regular file reads whole, but a read may in principle come short
+            piece = os.pread(self._file.fileno(), stop - start - len(out), start + len(out))
+            if not piece:
+                raise OSError(f"the round log's file ended at byte {start + len(out)} of {self._size}")
+            out += piece
+        return bytes(out)
+
+    def __bytes__(self) -> bytes:
+        return self[:]
+
+
 class RoundLog:
     """The averages of this node's last clean outer rounds, by the epoch each one made (thread-safe): at most
     `max_rounds`, and the newest rounds whose payloads fit in `max_bytes` (a node behind by more bytes of rounds
-    than the state's downloads the state instead, so an older round would be held for nobody)."""
+    than the state's downloads the state instead, so an older round would be held for nobody). Each round's bytes
+    are kept on disk (`OnDisk`); an answer reads them back in pieces."""
 
     def __init__(self, max_rounds: int = MAX_ROUNDS, max_bytes: Optional[int] = None):
-        self._rounds: OrderedDict[int, bytes] = OrderedDict()
+        self._rounds: OrderedDict[int, OnDisk] = OrderedDict()
         self._max, self._max_bytes = max_rounds, max_bytes
         self._bytes = 0
         self._lock = threading.Lock()
@@ -85,13 +119,14 @@ class RoundLog:
         with self._lock:
             if self._rounds and epoch <= next(reversed(self._rounds)):
                 self._clear()  # the node went back (a download of an older epoch): the log starts again
-            self._rounds[epoch] = average
+            self._rounds[epoch] = OnDisk(average)
             self._bytes += len(average)
             while len(self._rounds) > self._max or (self._max_bytes is not None and self._bytes > self._max_bytes):
                 self._bytes -= len(self._rounds.popitem(last=False)[1])
 
-    def after(self, epoch: int, count: int) -> list[tuple[int, bytes]]:
-        """Rounds epoch+1, epoch+2, ... up to `count` of them, as far as the log holds them without a gap."""
+    def after(self, epoch: int, count: int) -> list[tuple[int, OnDisk]]:
+        """Rounds epoch+1, epoch+2, ... up to `count` of them, as far as the log holds them without a gap (their
+        bytes stay readable while the list is held, whatever the log drops meanwhile)."""
         out = []
         with self._lock:
             for e in range(epoch + 1, epoch + 1 + min(count, self._max)):
@@ -118,11 +153,11 @@ class RoundLog:
             return self._bytes
 
 
-def frame(rounds: Sequence[tuple[int, bytes]]) -> bytes:
+def frame(rounds: Sequence[tuple[int, bytes | OnDisk]]) -> bytes:
     return b"".join(frames(rounds))
 
 
-def frames(rounds: Sequence[tuple[int, bytes]], chunk: int = CHUNK_BYTES) -> Iterator[bytes]:
+def frames(rounds: Sequence[tuple[int, bytes | OnDisk]], chunk: int = CHUNK_BYTES) -> Iterator[bytes]:
     """The answer for `rounds` in pieces of at most `chunk` bytes, without a copy of the whole answer (GPT-2
     small's round is about 200 MB)."""
     for epoch, data in rounds:
