@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from typing import AsyncIterator, Iterator, NamedTuple, Optional, Sequence
+from typing import AsyncIterator, BinaryIO, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 from google.protobuf import wrappers_pb2
@@ -78,11 +78,11 @@ class OnDisk:
     pressure, not the node's memory (up to 2P; a GPT-2 medium round between two nodes is about 0.6 GB). The file
     goes with the last reference to it."""
 
-    def __init__(self, data: bytes):
+    def __init__(self, data: bytes = b"", write: Optional[Callable[[BinaryIO], int]] = None):
+        """`data`, or what `write` writes to the file (returning its size)."""
         self._file = tempfile.TemporaryFile(prefix="dtrain-round-")
-        self._file.write(data)
+        self._size = write(self._file) if write is not None else self._file.write(data)
         self._file.flush()
-        self._size = len(data)
 
     def __len__(self) -> int:
         return self._size
@@ -115,11 +115,12 @@ class RoundLog:
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def add(self, epoch: int, average: bytes) -> None:
+    def add(self, epoch: int, average: bytes | OnDisk) -> None:
+        average = average if isinstance(average, OnDisk) else OnDisk(average)
         with self._lock:
             if self._rounds and epoch <= next(reversed(self._rounds)):
                 self._clear()  # the node went back (a download of an older epoch): the log starts again
-            self._rounds[epoch] = OnDisk(average)
+            self._rounds[epoch] = average
             self._bytes += len(average)
             while len(self._rounds) > self._max or (self._max_bytes is not None and self._bytes > self._max_bytes):
                 self._bytes -= len(self._rounds.popitem(last=False)[1])
@@ -260,7 +261,7 @@ class CatchUp:
         self.log = RoundLog(max_bytes=int(STATE_BYTES_PER_ELEMENT * self._total))
         self._limit = entry_limit([p.numel() for p in self._params], fraction)
         self._fraction = fraction
-        self._pending: Optional[bytes] = None
+        self._pending: Optional[OnDisk] = None
         swarm.service.add_handler(LOG_HANDLER, handler(self.log), wrappers_pb2.BytesValue, stream_output=True)
         swarm.optimizer.before_update = self._stash
         swarm.optimizer.on_state_loaded = self.forget
@@ -273,7 +274,7 @@ class CatchUp:
         if getattr(opt.state_averager.optimizer, "passthrough", False):
             self._pending = None
             return
-        self._pending = sparse.encode([p.grad for p in self._params])
+        self._pending = OnDisk(write=lambda f: sparse.encode_into(f, [p.grad for p in self._params]))
 
     def record(self, outcome) -> None:
         """After an outer update: keep what it applied under the epoch it made."""
