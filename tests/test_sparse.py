@@ -349,3 +349,17 @@ def test_a_payload_streamed_into_a_file_is_the_payload_encode_makes(monkeypatch,
     expected = sparse.encode(tensors)
     assert streamed == expected and size == len(expected)
     assert expected[8] == (sparse.BITMASK if density == 0.5 else sparse.INDICES)
+
+
+@pytest.mark.parametrize("density, max_count", [(0.5, None), (0.01, None), (0.01, 5000)])  # bitmask, indices, and
+def test_a_payload_built_tensor_by_tensor_is_the_payload_encode_makes(density, max_count):  # a bitmask turned to indices
+    rng = np.random.default_rng(9)
+    tensors = [torch.from_numpy(np.where(rng.random(n) < density, rng.standard_normal(n), 0.0).astype(np.float32))
+               for n in (37, 1, 2500, 9, 7030)]
+    count = sum(int(torch.count_nonzero(t)) for t in tensors)
+    built = sparse.PayloadBuilder(sum(t.numel() for t in tensors), max_count or count)
+    for t in tensors:
+        idx = np.flatnonzero(t.numpy())
+        built.add(idx, t.numpy()[idx], t.numel())
+    for quantized in (False, True):
+        assert built.payload(quantized) == sparse.encode(tensors, quantized)

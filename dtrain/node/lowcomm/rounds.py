@@ -323,20 +323,21 @@ class _SparseOffer(Sequence):
     @classmethod
     @torch.no_grad()
     def of(cls, rounds: "InnerRounds") -> "_SparseOffer":
-        total = sum(p.numel() for p in rounds.params)
-        index = np.int32 if sparse.index_dtype(total) == torch.int32 else np.int64
-        positions, values, offset = [], [], 0
+        sizes = [p.numel() for p in rounds.params]
+        built = sparse.PayloadBuilder(sum(sizes), sparse.max_kept(sizes, rounds.fraction))
         for e, a, q in zip(rounds.feedback, rounds.anchor, rounds.inner_parameters()):
-            kept = sparse.top_k([e + (a - q)], rounds.fraction)[0].reshape(-1)  # one tensor at a time
-            idx = np.flatnonzero(kept.numpy())  # a kept 0 is no position: as quantize_ reads it
-            values.append(kept[torch.from_numpy(idx)])
-            positions.append((idx + offset).astype(index))
-            offset += kept.numel()
-        flat = torch.cat(values) if values else torch.zeros(0)
-        del values
-        sparse.quantize_([flat])  # blocks in the model's flat order, as over the dense tensors
-        positions = np.concatenate(positions) if positions else np.zeros(0, np.int64)
-        return cls(rounds.params, sparse.encode_kept(positions, flat.numpy(), offset, quantized=True))
+            # one tensor at a time, and one copy of it: its magnitudes for the top-k, then its kept values read
+            # again from the same tensors (e + (a - q), the bits the dense sum has)
+            e, a, q = (t.reshape(-1) for t in (e, a, q))
+            magnitude = a - q
+            magnitude.add_(e).abs_()
+            idx = sparse.top_k_indices(magnitude, sparse.kept(magnitude.numel(), rounds.fraction))
+            del magnitude
+            values = e[idx] + (a[idx] - q[idx])
+            nonzero = values != 0  # a kept 0 is no position: as quantize_ reads it
+            built.add(idx[nonzero].numpy(), values[nonzero].numpy(), e.numel())
+        sparse.quantize_([torch.from_numpy(built.values)])  # blocks in the model's flat order, as the dense offer's
+        return cls(rounds.params, built.payload(quantized=True))
 
     def __len__(self) -> int:
         return len(self._like)

@@ -72,17 +72,22 @@ def bytes_per_element(fraction: float, quantized: bool = True) -> float:
     return min(4 * fraction, 1 / 8) + fraction * ((1 + 1 / BLOCK) if quantized else 4)
 
 
+def top_k_indices(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
+    """The positions of the `k` largest of flat `magnitudes` (ties: the lower index), in increasing order."""
+    if not k:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.topk(magnitudes, k, sorted=False).indices.sort().values
+
+
 @torch.no_grad()
 def top_k(tensors: Sequence[torch.Tensor], fraction: float) -> list[torch.Tensor]:
     """Each tensor with all but its `kept` largest-magnitude elements set to 0 (ties: the lower index)."""
     out = []
     for t in tensors:
         flat = t.detach().reshape(-1)
-        k = kept(flat.numel(), fraction)
         sparse = torch.zeros_like(flat)
-        if k:
-            idx = torch.topk(flat.abs(), k, sorted=False).indices
-            sparse[idx] = flat[idx]
+        idx = top_k_indices(flat.abs(), kept(flat.numel(), fraction))
+        sparse[idx] = flat[idx]
         out.append(sparse.view_as(t))
     return out
 
@@ -164,7 +169,12 @@ def encode(flat, quantized: bool = False) -> bytes:
         kept_here = part[marks[offset:offset + part.size]]
         values[kept:kept + kept_here.size] = kept_here
         offset, kept = offset + part.size, kept + kept_here.size
-    return _assemble(marks, values, quantized)
+    if (total + 7) // 8 < 4 * count:
+        layout, positions = BITMASK, np.packbits(marks, bitorder="little")
+    else:
+        layout, positions = INDICES, np.flatnonzero(marks).astype("<u4")
+    del marks
+    return _assemble(layout, positions, values, quantized)
 
 
 STREAM_ELEMENTS = 1 << 23  # model elements read at once by `encode_into` (a multiple of 8: whole bitmask bytes)
@@ -204,28 +214,62 @@ def encode_into(out: BinaryIO, tensors: Sequence[torch.Tensor]) -> int:
     return size
 
 
-def encode_kept(positions: np.ndarray, values: np.ndarray, total: int, quantized: bool = False) -> bytes:
-    """`encode` of a `total`-element model whose non-zero elements are `values` (f32) at `positions` (increasing):
-    the same bytes, from what a sparse offer holds (node.lowcomm.rounds) rather than dense tensors."""
-    marks = np.zeros(total, dtype=bool)
-    marks[positions] = True
-    return _assemble(marks, np.asarray(values, dtype="<f4"), quantized)
+class PayloadBuilder:
+    """`encode` of a model given tensor by tensor as the positions (increasing, within the tensor) and values of its
+    non-zero elements, in the model's order: the same bytes, holding the bitmask (1/8 byte per model element) and
+    the values, never a byte per element or the dense tensors (a sparse offer: node.lowcomm.rounds)."""
+
+    def __init__(self, total: int, max_count: int):
+        self.total = total
+        # surely indices (smaller than any bitmask): kept as they come; else the bitmask, turned into indices at the
+        # end if the values came fewer than expected
+        self._indices = 4 * max_count <= (total + 7) // 8
+        self._positions: list[np.ndarray] = []
+        self._bits = None if self._indices else np.zeros((total + 7) // 8, np.uint8)
+        self._values = np.empty(max_count, np.float32)
+        self._offset = self._count = 0
+
+    def add(self, positions: np.ndarray, values: np.ndarray, numel: int) -> None:
+        at = positions.astype(np.int64) + self._offset
+        if self._indices:
+            self._positions.append(at.astype("<u4"))
+        elif at.size:
+            byte, bit = at >> 3, (1 << (at & 7)).astype(np.uint8)
+            starts = np.flatnonzero(np.r_[True, byte[1:] != byte[:-1]])
+            self._bits[byte[starts]] |= np.add.reduceat(bit, starts).astype(np.uint8)  # a byte may span tensors
+        self._values[self._count:self._count + values.size] = values
+        self._count += values.size
+        self._offset += numel
+
+    @property
+    def values(self) -> np.ndarray:
+        """The values added so far, in order (writable: `quantize_` them before `payload`)."""
+        return self._values[:self._count]
+
+    def payload(self, quantized: bool = False) -> bytes:
+        count = self._count
+        if self._indices:
+            layout, positions = INDICES, np.concatenate(self._positions) if self._positions else np.zeros(0, "<u4")
+        elif (self.total + 7) // 8 < 4 * count:
+            layout, positions = BITMASK, self._bits
+        else:
+            layout, positions = INDICES, np.empty(count, "<u4")
+            found = 0
+            for start in range(0, self._bits.size, UNPACK_BYTES):
+                here = np.flatnonzero(np.unpackbits(self._bits[start:start + UNPACK_BYTES], bitorder="little"))
+                positions[found:found + here.size] = here + 8 * start
+                found += here.size
+        return _assemble(layout, positions, self.values.astype("<f4", copy=False), quantized)
 
 
-def _assemble(marks: np.ndarray, values: np.ndarray, quantized: bool) -> bytes:
-    """The payload of the elements `marks` marks (a bool per model element), `values` theirs in order."""
-    total, count = marks.size, values.size
+def _assemble(layout: int, positions: np.ndarray, values: np.ndarray, quantized: bool) -> bytes:
+    """The payload: header, `positions` in `layout`, then `values` (f32, or 8-bit if `quantized`)."""
     if quantized:
         e, q = _quantize_values(values)
         wire = [e, q]
     else:
         wire = [values]
-    if (total + 7) // 8 < 4 * count:
-        layout, positions = BITMASK, np.packbits(marks, bitorder="little")
-    else:
-        layout, positions = INDICES, np.flatnonzero(marks).astype("<u4")
-    del marks
-    header = HEADER.pack(MAGIC, count, layout, I8 if quantized else F32)
+    header = HEADER.pack(MAGIC, values.size, layout, I8 if quantized else F32)
     return b"".join([header, memoryview(positions).cast("B"), *(memoryview(w).cast("B") for w in wire)])
 
 
