@@ -62,6 +62,8 @@ def main() -> None:
     ap.add_argument("--samples-per-update", type=int, default=1,
                     help="--local-samples-per-update of both nodes: per-step, a joiner keeps up only when a download "
                          "takes less than the swarm's update")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="averaged updates both nodes serve before A is asked for a completion (training together)")
     ap.add_argument("--prompt", default="ROMEO:")
     a = ap.parse_args()
     args = ["--model-config", str(a.model_config), "--sync", a.sync, "--train-data", str(a.text),
@@ -88,17 +90,19 @@ def main() -> None:
             joined_at = max(node_b.digests())
 
             def together():
-                """The first step after B joined that both serve with the same bytes and that an update of a group
-                of peers made (update u makes step u + 1; a step B downloaded from A, or that A made alone, is the
-                same bytes too)."""
+                """The steps after B joined that both serve with the same bytes and that an update of a group of
+                peers made (update u makes step u + 1; a step B downloaded from A, or that A made alone, is the same
+                bytes too), once there are --rounds of them."""
                 watch.check()
                 a_d, b_d = node_a.digests(), node_b.digests()
                 groups = {int(m.group(1)): int(m.group(2)) for n in nodes for m in PEERS_RE.finditer(n.output())}
-                return next((step for step in sorted(b_d) if step > joined_at and a_d.get(step) == b_d[step]
-                             and groups.get(step - 1, 0) > 1), None)
+                steps = [step for step in sorted(b_d) if step > joined_at and a_d.get(step) == b_d[step]
+                         and groups.get(step - 1, 0) > 1]
+                return steps if len(steps) >= a.rounds else None
 
-            step = wait_until(together, a.timeout, "an averaged update both nodes serve", 1.0)
-            rows["after the update"] = dict(watch.last)
+            steps = wait_until(together, a.rounds * a.timeout, f"{a.rounds} averaged updates both nodes serve", 1.0)
+            step = steps[-1]
+            rows["after the updates"] = dict(watch.last)
             text = complete(node_a, a.prompt, 8)
             watch.check()
         except BaseException:
@@ -118,7 +122,7 @@ def main() -> None:
                 pa, pb = pss.get("A", 0), pss.get("B", 0)
                 print(f"| {moment} | {pa / GIB:.2f} GiB | {pb / GIB:.2f} GiB | {(pa + pb) / GIB:.2f} GiB |")
     print(f"B joined in {join_s:.0f}s ({download_s:.0f}s from its first download line to its first served step); "
-          f"step {step} (update {step - 1}) averaged by both, the same sha256; A's completion of {a.prompt!r}: "
+          f"steps {', '.join(map(str, steps))} averaged by both, the same sha256 each; A's completion of {a.prompt!r}: "
           f"{text!r}")
 
 

@@ -113,6 +113,10 @@ class InnerRounds:
                 p.grad = buffer
         self.steps += 1
 
+    def _release_grad(self, i: int) -> None:
+        if self.params[i].grad is not None:
+            memory.release([self.params[i].grad])
+
     def release_grads(self) -> int:
         """The gradient buffers read zeros and hold no memory until the next use writes them (node.memory.release);
         returns the bytes handed back. Only between uses: after an inner update, and once an outer round is over."""
@@ -203,8 +207,11 @@ class InnerRounds:
             # pages stay untouched
             if self.feedback is not None and (self._compress or self._feedback_written):
                 offer, delta = self.offer(), self.pseudo_gradient()
-                for e, d, o in zip(self.feedback, delta, offer):
+                for i, (e, d, o) in enumerate(zip(self.feedback, delta, offer)):
                     e.add_(d).sub_(o)
+                    # its pseudo-gradient is read: that .grad's pages go as the feedback's are written (the first
+                    # sparse round writes all of it: P), not after the whole model
+                    self._release_grad(i)
                 self._feedback_written = True
         self._applied, self._offer = True, None
         self.release_grads()
@@ -228,6 +235,7 @@ class InnerRounds:
                 d = self.pseudo_gradient()[i]
                 anchor.append(p.detach().clone())
                 p.sub_(d)
+                self._release_grad(i)  # read: its pages go as the new anchor's are written
         self.anchor, self._anchor_own = anchor, True
         self._end_round()
 
