@@ -363,3 +363,20 @@ def test_a_payload_built_tensor_by_tensor_is_the_payload_encode_makes(density, m
         built.add(idx, t.numpy()[idx], t.numel())
     for quantized in (False, True):
         assert built.payload(quantized) == sparse.encode(tensors, quantized)
+
+
+@pytest.mark.parametrize("density", [0.5, 0.01])  # a bitmask, indices
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_payload_decoded_tensor_by_tensor_is_the_payload_decoded_whole(density, quantized):
+    rng = np.random.default_rng(13)
+    sizes = (37, 1, 2500, 9, 7030)
+    tensors = [torch.from_numpy(np.where(rng.random(n) < density, rng.standard_normal(n), 0.0).astype(np.float32))
+               for n in sizes]
+    data = sparse.encode(tensors, quantized)
+    idx, values = sparse.decode(data, sum(sizes), sum(sizes), quantized)
+    parts = list(sparse.decode_tensors(data, sizes, quantized))
+    starts = np.cumsum((0,) + sizes[:-1])
+    assert np.array_equal(np.concatenate([local + s for (local, _), s in zip(parts, starts)]), idx.numpy())
+    assert np.concatenate([v for _, v in parts]).tobytes() == values.numpy().tobytes()
+    with pytest.raises(sparse.BadPayload):
+        next(sparse.decode_tensors(data, sizes[:-1], quantized))  # another model's

@@ -321,12 +321,11 @@ class _PseudoGradient(Sequence):
 class _SparseOffer(Sequence):
     """A sparse round's offer, held as the payload it sends (node.lowcomm.sparse: positions and 8-bit values, about
     0.06P at top-0.2, where the dense offer held P): the top-k of pseudo-gradient plus error feedback of each tensor,
-    quantized over the model's flat order. Iterating decodes it once and gives each tensor dense, with the bits the
-    dense offer had; indexing decodes it for that tensor."""
+    quantized over the model's flat order. Iterating decodes it a tensor at a time and gives each tensor dense, with
+    the bits the dense offer had."""
 
     def __init__(self, like: Sequence[torch.Tensor], payload: bytes):
         self._like, self.payload = list(like), payload
-        self._total = sum(t.numel() for t in self._like)
 
     @classmethod
     @torch.no_grad()
@@ -351,13 +350,10 @@ class _SparseOffer(Sequence):
         return len(self._like)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        idx, values = sparse.decode(self.payload, self._total, self._total, quantized=True)
-        start = 0
-        cuts = np.searchsorted(idx.numpy(), np.cumsum([0] + [t.numel() for t in self._like]))
-        for like, lo, hi in zip(self._like, cuts, cuts[1:]):
+        sizes = [t.numel() for t in self._like]
+        for like, (local, values) in zip(self._like, sparse.decode_tensors(self.payload, sizes, quantized=True)):
             out = torch.zeros(like.numel(), dtype=torch.float32)
-            out[idx[lo:hi] - start] = values[lo:hi]
-            start += like.numel()
+            out[torch.from_numpy(local)] = torch.from_numpy(values)
             yield out.view_as(like)
 
     def __getitem__(self, i: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import BinaryIO, Iterable, Sequence
+from typing import BinaryIO, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -337,6 +337,49 @@ def decode(data: bytes, total: int, limit: int, quantized: bool = False) -> tupl
         if not np.all(np.isfinite(values)):
             raise BadPayload("values must be finite")
     return torch.from_numpy(idx), torch.from_numpy(values)
+
+
+def decode_tensors(data: bytes, sizes: Sequence[int], quantized: bool = False) -> Iterator[tuple[np.ndarray,
+                                                                                             np.ndarray]]:
+    """Per tensor of a model of `sizes`, in order: (positions within it, int64; values f32) of a payload this node
+    made itself (its offer: node.lowcomm.rounds), decoded a tensor at a time, so that nothing the size of the
+    payload's positions or values is held. Its header is checked; its positions and values are as `encode` wrote
+    them (a stranger's payload goes through `decode`)."""
+    total = sum(sizes)
+    if len(data) < HEADER.size:
+        raise BadPayload(f"a payload of {len(data)} bytes has no header")
+    magic, count, layout, kind = HEADER.unpack_from(data)
+    if magic != MAGIC or kind != (I8 if quantized else F32) or len(data) != payload_bytes(count, total, quantized) \
+            or layout != (BITMASK if (total + 7) // 8 < 4 * count else INDICES):
+        raise BadPayload(f"not a payload of this model ({len(data)} bytes, {count} elements, layout {layout})")
+    pos_end = HEADER.size + positions_bytes(count, total)
+    if layout == BITMASK:
+        mask = np.frombuffer(data, np.uint8, pos_end - HEADER.size, HEADER.size)
+    else:
+        raw = np.frombuffer(data, "<u4", count, HEADER.size)
+    if quantized:
+        blocks = -(-count // BLOCK)
+        e = np.frombuffer(data, np.int8, blocks, pos_end)
+        q = np.frombuffer(data, np.int8, count, pos_end + blocks)
+    else:
+        f32 = np.frombuffer(data, "<f4", count, pos_end)
+    start, kept = 0, 0
+    for n in sizes:
+        if layout == BITMASK:
+            first = start // 8
+            bits = np.unpackbits(mask[first:(start + n + 7) // 8], bitorder="little")
+            local = np.flatnonzero(bits[start - 8 * first:start - 8 * first + n])
+        else:
+            lo, hi = np.searchsorted(raw, [start, start + n])
+            local = raw[lo:hi].astype(np.int64) - start
+        end = kept + local.size
+        if quantized:  # as _dequantize: each value times 2 ** its block's exponent
+            exponents = e[np.arange(kept, end) // BLOCK].astype(np.int32)
+            values = np.ldexp(q[kept:end].astype(np.float32), exponents)
+        else:
+            values = f32[kept:end].astype(np.float32)
+        yield local, values
+        start, kept = start + n, end
 
 
 def average(payloads: Iterable[tuple[torch.Tensor, torch.Tensor]], weights: Sequence[float],
