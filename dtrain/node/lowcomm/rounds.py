@@ -59,6 +59,7 @@ class InnerRounds:
         # tensors the outer step moved from the anchor in this round: their pseudo-gradient is in their .grad
         self._moved: set[int] = set()
         self._applied = False  # the round's update applied the offer and its pseudo-gradient is gone (`applied`)
+        self._source = RoundSource(self)
         self.steps = 0  # inner updates since the anchor (carried ones included)
         self.in_outer = False
         self.fraction = fraction
@@ -144,7 +145,7 @@ class InnerRounds:
         """Enter the outer round with the parameters where the inner updates left them; returns what the outer step
         reads of the round (node.lowcomm.outer.OuterNesterov.source). A round in progress goes on."""
         self.in_outer = True
-        return RoundSource(self)
+        return self._source
 
     def enter_outer(self) -> None:
         """Before anything replaces the parameters (a download of the swarm's state, a replay of missed rounds): the
@@ -226,13 +227,13 @@ class InnerRounds:
         if (self._inner is None and not self._moved) or (self._inner is not None and not self._replaced()):
             self.leave_outer()  # nothing replaced the parameters: they are the inner updates' (or return there)
             return
-        anchor = []
+        anchor, delta = [], self.pseudo_gradient()
         with torch.no_grad():  # tensor by tensor: the pseudo-gradient is never held whole
             for i, (p, a) in enumerate(zip(self.params, self.anchor)):
                 if self._inner is None and i not in self._moved:
                     anchor.append(a)  # the outer step did not reach it: it still holds the inner updates' value
                     continue
-                d = self.pseudo_gradient()[i]
+                d = delta[i]
                 anchor.append(p.detach().clone())
                 p.sub_(d)
                 self._release_grad(i)  # read: its pages go as the new anchor's are written

@@ -178,6 +178,7 @@ def encode(flat, quantized: bool = False) -> bytes:
 
 
 STREAM_ELEMENTS = 1 << 23  # model elements read at once by `encode_into` (a multiple of 8: whole bitmask bytes)
+UNPACK_BYTES = 1 << 22  # bitmask bytes unpacked at once: positions are found without a byte per model element
 
 
 @torch.no_grad()
@@ -253,13 +254,27 @@ class PayloadBuilder:
         elif (self.total + 7) // 8 < 4 * count:
             layout, positions = BITMASK, self._bits
         else:
-            layout, positions = INDICES, np.empty(count, "<u4")
-            found = 0
-            for start in range(0, self._bits.size, UNPACK_BYTES):
-                here = np.flatnonzero(np.unpackbits(self._bits[start:start + UNPACK_BYTES], bitorder="little"))
-                positions[found:found + here.size] = here + 8 * start
-                found += here.size
+            layout, positions = INDICES, _marked(self._bits, self.total, count, np.dtype("<u4"))
         return _assemble(layout, positions, self.values.astype("<f4", copy=False), quantized)
+
+
+def _marked(mask: np.ndarray, total: int, count: int, dtype: np.dtype) -> np.ndarray:
+    """The `count` positions a bitmask of a `total`-element model marks, unpacked a piece at a time (BadPayload if it
+    marks another count, or padding bits)."""
+    positions, found = np.empty(count, dtype), 0
+    for start in range(0, mask.size, UNPACK_BYTES):
+        bits = np.unpackbits(mask[start:start + UNPACK_BYTES], bitorder="little")
+        first = 8 * start
+        if first + bits.size > total and bits[max(total - first, 0):].any():
+            raise BadPayload(f"the bitmask marks elements at or past {total}")
+        here = np.flatnonzero(bits[:max(total - first, 0)])
+        if found + here.size > count:
+            raise BadPayload(f"the bitmask marks more than the {count} elements the header says")
+        positions[found:found + here.size] = here + first
+        found += here.size
+    if found != count:
+        raise BadPayload(f"the bitmask marks {found} elements, the header says {count}")
+    return positions
 
 
 def _assemble(layout: int, positions: np.ndarray, values: np.ndarray, quantized: bool) -> bytes:
@@ -276,9 +291,6 @@ def _assemble(layout: int, positions: np.ndarray, values: np.ndarray, quantized:
 def index_dtype(total: int) -> torch.dtype:
     """The positions of a `total`-element model: int32 while they fit (half the bytes of int64)."""
     return torch.int32 if total <= 2 ** 31 - 1 else torch.int64
-
-
-UNPACK_BYTES = 1 << 22  # bitmask bytes unpacked at once: positions are found without a byte per model element
 
 
 def decode(data: bytes, total: int, limit: int, quantized: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,20 +316,8 @@ def decode(data: bytes, total: int, limit: int, quantized: bool = False) -> tupl
     pos_end = HEADER.size + positions_bytes(count, total)
     np_index = np.int32 if index_dtype(total) == torch.int32 else np.int64
     if layout == BITMASK:
-        mask = np.frombuffer(data, np.uint8, pos_end - HEADER.size, HEADER.size)
-        idx, found = np.empty(count, np_index), 0
-        for start in range(0, mask.size, UNPACK_BYTES):
-            bits = np.unpackbits(mask[start:start + UNPACK_BYTES], bitorder="little")
-            first = 8 * start
-            if first + bits.size > total and bits[max(total - first, 0):].any():
-                raise BadPayload(f"the bitmask marks elements at or past {total}")
-            here = np.flatnonzero(bits[:max(total - first, 0)])
-            if found + here.size > count:
-                raise BadPayload(f"the bitmask marks more than the {count} elements the header says")
-            idx[found:found + here.size] = here + first
-            found += here.size
-        if found != count:
-            raise BadPayload(f"the bitmask marks {found} elements, the header says {count}")
+        idx = _marked(np.frombuffer(data, np.uint8, pos_end - HEADER.size, HEADER.size), total, count,
+                      np.dtype(np_index))
     else:
         raw = np.frombuffer(data, "<u4", count, HEADER.size)
         if count and (int(raw[-1]) >= total or not np.all(raw[1:] > raw[:-1])):
