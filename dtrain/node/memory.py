@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import mmap
 import os
 from typing import Iterable, Optional
@@ -35,7 +36,9 @@ _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 _MADV_REMOVE = 9  # madvise's advice number (linux/mman.h): free the range and its backing store (a hole in tmpfs)
 
 
+@functools.lru_cache(maxsize=None)
 def _libc() -> Optional[ctypes.CDLL]:
+    """glibc, loaded once (find_library runs ldconfig: milliseconds, on every release and trim otherwise)."""
     name = ctypes.util.find_library("c")
     if name is None:
         return None

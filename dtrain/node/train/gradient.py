@@ -111,9 +111,11 @@ class PendingGradient:
         return mean
 
     def _take_sums(self) -> list[torch.Tensor]:
-        """The sums as they are, replaced by fresh zeros: untouched shared memory takes no page until written
-        (node.memory), so an empty pending gradient holds no memory (P) once the taken sums are dropped."""
-        taken, self.sums = self.sums, [memory.shared_zeros(acc.numel()) for acc in self.sums]
+        """The sums as they are, replaced by fresh zeros that take no page until written (node.memory.lazy_zeros),
+        so an empty pending gradient holds no memory (P) once the taken sums are dropped. Private memory: made after
+        hivemind's processes forked, they are shared with nobody (a shared file per tensor, made and punched out
+        at every inner update, cost a lone node an eighth of its time)."""
+        taken, self.sums = self.sums, [memory.lazy_zeros(acc) for acc in self.sums]
         self._untouched = True
         return taken
 
