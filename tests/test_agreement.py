@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from dtrain.node.swarm import optimizer as swarm
+from dtrain.node.swarm import swarm
+from dtrain.node.train.adamw import make_local_optimizer
 from dtrain.node.swarm.agreement import KEEP_EPOCHS, Agreement, Download
 from dtrain.node.config import ModelConfig, SwarmConfig, TrainConfig
 from dtrain.node.model import build_model
@@ -29,7 +30,7 @@ class Peer:
         self.config = SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), initial_peers=tuple(initial_peers),
                                   run_id=run_id, target_batch_size=64, matchmaking_time_s=1.0,
                                   request_timeout_s=0.5, averaging_timeout_s=2.0)
-        self.swarm = swarm.Swarm(self.config, swarm.make_local_optimizer(self.model, TrainConfig()),
+        self.swarm = swarm.Swarm(self.config, make_local_optimizer(self.model, TrainConfig()),
                                  local_gradients=lambda: [])
         self.opt, self.peer_id = self.swarm.optimizer, self.swarm.peer_id
         # as after update `epoch`: the epoch, and the state-sharing priority an updater has

@@ -7,7 +7,7 @@ import torch
 
 from dtrain.node.config import ModelConfig, TrainConfig
 from dtrain.node.model import build_model
-from dtrain.node.swarm.optimizer import decay_groups, make_local_optimizer, regroup_state_dict
+from dtrain.node.train.adamw import decay_groups, make_local_optimizer, regroup_state_dict
 from tests.nodeproc import TINY_CONFIG
 
 pytestmark = pytest.mark.unit

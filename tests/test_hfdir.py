@@ -19,7 +19,7 @@ from dtrain.node.lowcomm.outer import OuterNesterov
 from dtrain.node.lowcomm.rounds import InnerRounds
 from dtrain.node.model import build_model
 from dtrain.node.snapshot import params_digest
-from dtrain.node.swarm.optimizer import make_local_optimizer
+from dtrain.node.train.adamw import make_local_optimizer
 
 pytestmark = pytest.mark.unit
 

@@ -19,7 +19,8 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from dtrain.node.config import ModelConfig, SwarmConfig, TrainConfig
 from dtrain.node.model import build_model
-from dtrain.node.swarm import optimizer as swarm_optimizer
+from dtrain.node.swarm import swarm as swarm_optimizer
+from dtrain.node.train.adamw import make_local_optimizer
 from dtrain.node.swarm.presence import Presence, presence_key, presence_validator
 from dtrain.node.swarm.records import RecordOwner, identity_kwargs, read, store
 from dtrain.node.swarm.swarmkey import SwarmJoinError, SwarmKeyAuthorizer, keyed_run_id
@@ -162,7 +163,7 @@ def test_keyed_swarms_train_under_a_keyed_run_name_and_announce_signed_records(t
         config = SwarmConfig(host_maddrs=tuple(LOCAL), initial_peers=tuple(initial_peers), run_id=run_id,
                              swarm_key_path=str(path), target_batch_size=64, matchmaking_time_s=1.0,
                              request_timeout_s=0.5, averaging_timeout_s=2.0)
-        return swarm_optimizer.Swarm(config, swarm_optimizer.make_local_optimizer(model, TrainConfig()),
+        return swarm_optimizer.Swarm(config, make_local_optimizer(model, TrainConfig()),
                                      local_gradients=lambda: [])
 
     swarms = []

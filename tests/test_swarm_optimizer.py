@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from dtrain.node.swarm import optimizer as swarm
+from dtrain.node.swarm import swarm
+from dtrain.node.train.adamw import make_local_optimizer
 from dtrain.node.config import ModelConfig, SwarmConfig, TrainConfig
 from dtrain.node.model import build_model
 from tests.adamw import gpt2_adamw
@@ -26,7 +27,7 @@ def single_peer():
     config = SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), run_id=new_run_id(), target_batch_size=6,
                          matchmaking_time_s=1.0, request_timeout_s=0.5, averaging_timeout_s=5.0)
     local_gradients = []  # the node's exact gradient, set by each test
-    handle = swarm.Swarm(config, swarm.make_local_optimizer(model, TRAIN), local_gradients=lambda: local_gradients)
+    handle = swarm.Swarm(config, make_local_optimizer(model, TRAIN), local_gradients=lambda: local_gradients)
     try:
         yield model, reference, handle.optimizer, local_gradients
     finally:
@@ -103,7 +104,7 @@ def test_a_peer_behind_the_swarm_does_not_update_until_it_caught_up(single_peer)
                          run_id=opt_a.run_id, target_batch_size=6, matchmaking_time_s=1.0, request_timeout_s=0.5,
                          averaging_timeout_s=5.0)
     grads_b = []
-    peer_b = swarm.Swarm(config, swarm.make_local_optimizer(model_b, TRAIN), local_gradients=lambda: grads_b)
+    peer_b = swarm.Swarm(config, make_local_optimizer(model_b, TRAIN), local_gradients=lambda: grads_b)
     try:
         opt_b = peer_b.optimizer
         # as a node does when it joins: with no look at the swarm yet, hivemind's first step() would check for an
@@ -139,7 +140,7 @@ def test_a_client_mode_peer_whose_round_fails_makes_no_update(single_peer):
                          run_id=opt_a.run_id, target_batch_size=6, matchmaking_time_s=1.0, request_timeout_s=0.5,
                          averaging_timeout_s=5.0, reachability="client")
     grads_c = []
-    peer_c = swarm.Swarm(config, swarm.make_local_optimizer(model_c, TRAIN), local_gradients=lambda: grads_c)
+    peer_c = swarm.Swarm(config, make_local_optimizer(model_c, TRAIN), local_gradients=lambda: grads_c)
     try:
         opt_c = peer_c.optimizer
         assert peer_c.client_mode and opt_c.client_mode and peer_c.reachability.chosen_by == "flag"

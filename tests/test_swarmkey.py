@@ -149,7 +149,7 @@ def test_the_flag_reaches_its_field_and_the_swarm_is_open_without_it(tmp_path):
 
 
 def test_a_bad_key_stops_the_swarm_before_its_dht_starts(tmp_path):
-    from dtrain.node.swarm.optimizer import Swarm
+    from dtrain.node.swarm.swarm import Swarm
 
     path = tmp_path / "swarm.key"
     path.write_bytes(b"too short")

@@ -128,6 +128,11 @@ class SwarmConfig:
                        "moments; low-comm: --inner-steps AdamW updates on each node, then one averaged outer "
                        "Nesterov step", choices=("per-step", "low-comm"))
     inner_steps: int = option(10, "--inner-steps", "low-comm: inner updates of a node between outer rounds")
+    # a served step comes at most once per outer round: on a GPU ten inner updates take well under a second, and a
+    # browser that needs seconds for a packet would find the node more than five steps further (409)
+    min_round_s: Optional[float] = option(None, "--min-round-seconds", "low-comm: a node's outer round is due "
+                                          "once it made --inner-steps inner updates and this many seconds passed "
+                                          "since the round's first one (default: 0 on a CPU, 5 on a GPU)")
     outer_lr: float = option(0.7, "--outer-lr", "low-comm: outer Nesterov SGD learning rate")
     outer_momentum: float = option(0.9, "--outer-momentum", "low-comm: outer Nesterov SGD momentum")
     wire_codec: str = option("sparse", "--wire-codec", "low-comm: the pseudo-gradient on the wire: fp16 or fp32 "
@@ -151,6 +156,8 @@ class SwarmConfig:
             raise ConfigError(f"sync must be per-step or low-comm, got {self.sync!r}")
         if not isinstance(self.inner_steps, int) or self.inner_steps < 1:
             raise ConfigError(f"inner_steps must be an integer >= 1, got {self.inner_steps!r}")
+        if self.min_round_s is not None and not 0 <= self.min_round_s <= 3600:
+            raise ConfigError(f"min_round_s must be in [0, 3600] seconds, got {self.min_round_s!r}")
         if not self.outer_lr > 0 or not 0.0 <= self.outer_momentum < 1.0:
             raise ConfigError(f"outer_lr must be > 0 and outer_momentum in [0, 1), got {self.outer_lr!r}, "
                               f"{self.outer_momentum!r}")

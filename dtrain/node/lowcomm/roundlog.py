@@ -251,7 +251,7 @@ class CatchUp:
     """A sparse node's round log, filled after each of its outer updates (averaged, or its own after a failed
     round) and served to its peers, and its own catch-up by replay. A download of the state empties the log: the
     updates before it were this node's, not necessarily the swarm's. `swarm` is the node's
-    node.swarm.optimizer.Swarm, `agreement` its node.swarm.agreement.Agreement."""
+    node.swarm.swarm.Swarm, `agreement` its node.swarm.agreement.Agreement."""
 
     def __init__(self, swarm, agreement, model: torch.nn.Module, fraction: float, link_mbit: float = 0.0):
         self._link_mbit = link_mbit

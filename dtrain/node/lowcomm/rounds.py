@@ -27,6 +27,7 @@ and `leave_outer` leave it as it was, since the whole pseudo-gradient goes back 
 """
 from __future__ import annotations
 
+import time
 import warnings
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -40,11 +41,18 @@ from dtrain.node.lowcomm import sparse
 class InnerRounds:
     def __init__(self, params: Sequence[torch.nn.Parameter], inner: torch.optim.Optimizer, inner_steps: int,
                  fraction: Optional[float] = None,
-                 published: Optional[Callable[[], Optional[Sequence[np.ndarray]]]] = None):
+                 published: Optional[Callable[[], Optional[Sequence[np.ndarray]]]] = None, min_round_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic):
         """`published`: the fp32 arrays of the snapshot the node serves now (node.snapshot), if any. The anchor is
-        the served bytes in the usual case: then it reads them there instead of holding a copy of its own (P)."""
+        the served bytes in the usual case: then it reads them there instead of holding a copy of its own (P).
+        `min_round_s`: the round is due once `inner_steps` are done and this long has passed since its first inner
+        update (a fast device makes more inner updates, not more served steps)."""
         if inner_steps < 1:
             raise ValueError(f"inner steps must be >= 1, got {inner_steps!r}")
+        if not min_round_s >= 0:
+            raise ValueError(f"min_round_s must be >= 0, got {min_round_s!r}")
+        self.min_round_s, self._clock = min_round_s, clock
+        self._first_step_at = 0.0  # when the round's first inner update was made
         if fraction is not None and not 0.0 < fraction <= 1.0:
             raise ValueError(f"top-k fraction must be in (0, 1], got {fraction!r}")
         self.params = list(params)
@@ -94,7 +102,9 @@ class InnerRounds:
 
     @property
     def due(self) -> bool:
-        return self.steps >= self.inner_steps
+        if self.steps < self.inner_steps:
+            return False
+        return self.min_round_s <= 0 or self._clock() - self._first_step_at >= self.min_round_s
 
     def inner_step(self, grads: Sequence[torch.Tensor]) -> None:
         """One AdamW update of the node's parameters with this (mean) gradient. AdamW reads `grads` themselves, as
@@ -112,6 +122,8 @@ class InnerRounds:
         finally:
             for p, buffer in zip(self.params, buffers):
                 p.grad = buffer
+        if self.steps == 0:
+            self._first_step_at = self._clock()
         self.steps += 1
 
     def _release_grad(self, i: int) -> None:

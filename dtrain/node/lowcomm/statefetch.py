@@ -169,7 +169,7 @@ async def fetch_ranges(p2p: P2P, donors: Sequence[PeerID], todo: Sequence[ranges
 
 class SpreadDownload:
     """A joiner's download of the swarm's state from up to `max_donors` donors at once (the module docstring).
-    `swarm` is the node's node.swarm.optimizer.Swarm, `agreement` its node.swarm.agreement.Agreement; `announce` is
+    `swarm` is the node's node.swarm.swarm.Swarm, `agreement` its node.swarm.agreement.Agreement; `announce` is
     called every few seconds while it downloads (the node's presence, so its peers make rounds meanwhile)."""
 
     def __init__(self, swarm, agreement, model: torch.nn.Module, fraction: float, max_donors: int,

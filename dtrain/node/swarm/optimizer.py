@@ -1,54 +1,34 @@
-"""The node's hold on the hivemind swarm: its DHT and the collaborative optimizer around the model's AdamW.
+"""hivemind.Optimizer as the node needs it (`SwarmOptimizer`).
 
-`Swarm` owns both and their shutdown, and decides at start whether the node joins as a full peer or, when the swarm
-cannot dial it, as a client-mode peer (node.swarm.reachability). `SwarmOptimizer` is hivemind.Optimizer with five
-changes the node relies on: a gradient round is applied whole or not at all (node.commit), it applies the node's
-exact gradient whenever the swarm's average is unavailable, a client-mode peer never updates without the swarm's
-average, it reports each update's outcome (which peers' gradients went into it), and an update also begins when the
-swarm's pending samples stop growing, so a swarm keeps its pace when a peer leaves whatever target it was started
-with.
+Five changes to hivemind's: a gradient round is applied whole or not at all (node.swarm.commit), it applies the
+node's exact gradient whenever the swarm's average is unavailable, a client-mode peer never updates without the
+swarm's average, it reports each update's outcome (which peers' gradients went into it), and an update also begins
+when the swarm's pending samples stop growing (node.swarm.tracker), so a swarm keeps its pace when a peer leaves
+whatever target it was started with.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import os
-import threading
 import time
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable, Optional, Sequence
 
 import hivemind
 import torch
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
-from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
-from dtrain.node import memory
-from dtrain.node.lowcomm import codec as lowcomm_codec
-from dtrain.node.lowcomm.gather import SparseGatherAverager
 from dtrain.node.lowcomm.deadline import Deadline
-from dtrain.node.swarm.commit import AbortedRound, CommittingGradientAverager, chunk_timeout
+from dtrain.node.swarm.commit import AbortedRound, chunk_timeout
 from dtrain.node.swarm.deadlines import Retimable, RoundClock
-from dtrain.node.swarm.keygate import start_prover
-from dtrain.node.swarm.presence import presence_validator
-from dtrain.node.swarm.records import RecordOwner, identity_kwargs
-from dtrain.node.swarm.swarmkey import SwarmJoinError, SwarmKeyAuthorizer, keyed_run_id, load_swarm_key
-from dtrain.node.swarm.reachability import Reachability, ReachabilityService, decide
-from dtrain.node.swarm.service import NodeService
-from dtrain.node.swarm.state import SwarmStateAverager, keep_state_shared
-from dtrain.node.config import SwarmConfig, TrainConfig
+from dtrain.node.swarm.state import SwarmStateAverager
+from dtrain.node.swarm.tracker import PacedTracker
 
 logger = get_logger(__name__)
 
-# the tracker looks for fresh swarm progress at least this often: it bounds how far apart peers begin an update
-TRACKER_MAX_REFRESH_S = 1.0
-NEVER = 2 ** 31 - 1  # average_state_every that never comes: the sparse codec's outer steps agree to the bit
 SKIP_LOG_EVERY_S = 10.0  # at most one log line this often for rounds that made no update
-SHUTDOWN_TIMEOUT_S = 5.0  # how long hivemind may take to leave the swarm when stopped under an update
 
 
 @dataclass(frozen=True)
@@ -62,101 +42,6 @@ class RoundOutcome:
 
 class NoSwarmRound(Exception):
     """A client-mode peer's gradient round did not complete: it makes no update (SwarmOptimizer)."""
-
-
-def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW parameter groups as GPT-2 is trained (nanoGPT's rule): weight decay on the matrices (embeddings,
-    attention and MLP weights), none on biases and LayerNorm weights (every tensor of fewer than 2 dimensions).
-
-    The groups are runs of consecutive parameters, so flattening them gives `model.parameters()`'s order: the order
-    of the manifest, of the gradients the node computes, and of hivemind's averaged tensors."""
-    groups: list[dict] = []
-    for param in model.parameters():
-        decay = weight_decay if param.dim() >= 2 else 0.0
-        if groups and groups[-1]["weight_decay"] == decay:
-            groups[-1]["params"].append(param)
-        else:
-            groups.append({"params": [param], "weight_decay": decay})
-    return groups
-
-
-def regroup_state_dict(saved: dict, optimizer: torch.optim.Optimizer) -> dict:
-    """An optimizer state_dict saved with other parameter groups (a checkpoint from before decay_groups), laid out
-    as `optimizer`'s: per-parameter state is keyed by the flat parameter index, which the layouts share."""
-    flat = [i for group in saved["param_groups"] for i in group["params"]]
-    ours = [p for group in optimizer.param_groups for p in group["params"]]
-    if len(flat) != len(ours):
-        raise ValueError(f"the saved optimizer state holds {len(flat)} parameters, the model {len(ours)}")
-    groups, start = [], 0
-    for group in optimizer.param_groups:
-        end = start + len(group["params"])
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": flat[start:end]})
-        start = end
-    return {"state": saved["state"], "param_groups": groups}
-
-
-def make_local_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.optim.AdamW:
-    optimizer = torch.optim.AdamW(
-        decay_groups(model, train.weight_decay),
-        lr=train.learning_rate,
-        betas=(train.beta1, train.beta2),
-        eps=train.eps,
-    )
-    # Give AdamW its (empty) state now. hivemind otherwise creates it with a zero-gradient optimizer step, which
-    # applies weight decay to the seeded weights and starts Adam's bias correction one step late. In shared memory
-    # from the start (node.memory): no page is taken until the first update, or a download, writes it.
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            zeros = (lambda: memory.shared_zeros(p.numel()).view_as(p)) if p.device.type == "cpu" and \
-                p.dtype == torch.float32 else (lambda: torch.zeros_like(p, memory_format=torch.preserve_format))
-            optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": zeros(), "exp_avg_sq": zeros()}
-    return optimizer
-
-
-class PacedTracker(ProgressTracker):
-    """hivemind's tracker with the swarm's own rule for when an update begins (docs/architecture.md, "When the swarm updates").
-
-    An update begins when the swarm moved to a later epoch, when the swarm's pending samples reach the target, or
-    once they stopped growing for `settle_s`. Two of hivemind's rules are left out:
-    - its estimate of when the target will be reached. It extrapolates each peer's samples per second, which a
-      bridge's bursts of packets make meaningless: a node that took 4 samples in 10 ms expected the rest at once and
-      updated alone while its peer's packet was still on the way;
-    - reaching the target while this peer's view of the swarm's progress shows no one else although other nodes
-      announced themselves (a node that joined or just received its first packet has not read their progress yet).
-      Then the settle rule decides, which waits long enough for the progress of every peer to be read.
-    """
-
-    def __init__(self, *args, settle_s: float, **kwargs):
-        self.settle_s = settle_s
-        # whether other nodes announced themselves: set by the node once it knows who is in the swarm; a swarm
-        # without announcements (the adapter's, node.serve.adapter) sets it to always true
-        self.others_present: Callable[[], bool] = lambda: False
-        # low-communication mode: the node's own rule (its inner updates are done, or it is alone) replaces the
-        # target and the settle rule; then this peer's round begins once the swarm's samples stopped growing
-        self.round_due: Optional[Callable[[], bool]] = None
-        self._seen_samples, self._grew_at = 0, time.monotonic()
-        super().__init__(*args, **kwargs)
-
-    @property
-    def ready_to_update_epoch(self) -> bool:
-        if self.global_epoch > self.local_progress.epoch:
-            return True
-        progress = self.global_progress
-        samples = progress.samples_accumulated
-        if samples != self._seen_samples:
-            self._seen_samples, self._grew_at = samples, time.monotonic()
-        if self.round_due is not None:
-            # every node stops its inner updates when they are done: once the swarm's samples stop growing, every
-            # node in it is waiting for this round (a node that left stops counting when its record expires)
-            return self.round_due() and (not self.others_present() or time.monotonic() - self._grew_at >= self.settle_s)
-        if samples >= self.target_batch_size and (progress.num_peers > 1 or not self.others_present()):
-            return True
-        return samples > 0 and time.monotonic() - self._grew_at >= self.settle_s
-
-    @property
-    def estimated_next_update_time(self) -> float:
-        # no estimate, so hivemind never pre-schedules a round for a time the bridge's traffic cannot promise
-        return get_dht_time() if self.ready_to_update_epoch else float("inf")
 
 
 class SwarmOptimizer(hivemind.Optimizer):
@@ -177,8 +62,15 @@ class SwarmOptimizer(hivemind.Optimizer):
     """
 
     def __init__(self, *, local_gradients: Callable[[], Sequence[torch.Tensor]], update_bonus: float,
-                 settle_s: float, swarm_key: Optional[bytes] = None, **kwargs):
+                 settle_s: float, swarm_key: Optional[bytes] = None,
+                 others_present: Callable[[], bool] = lambda: False, round_due: Optional[Callable[[], bool]] = None,
+                 before_state_load: Optional[Callable[[], None]] = None, **kwargs):
+        """`local_gradients`: this peer's exact gradient, applied when the swarm's average is unavailable;
+        `others_present`, `round_due`: the tracker's (node.swarm.tracker.PacedTracker); `before_state_load`: called
+        before every download of the state, which replaces the parameters (low-comm: the node sets the inner
+        updates' parameters aside, node.lowcomm.rounds.InnerRounds.enter_outer)."""
         self._local_gradients = local_gradients
+        self._others_present, self._round_due = others_present, round_due
         self._swarm_key = swarm_key  # a closed swarm: the state averager's RPCs answer only holders of the key
         self._update_bonus = update_bonus  # added to the epoch as this peer's state-sharing priority after an update
         self._settle_s = settle_s
@@ -191,9 +83,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         # called with .grad holding what an update is about to apply (averaged, or this peer's own)
         self.before_update: Optional[Callable[[], None]] = None
         self.on_state_loaded: Optional[Callable[[], None]] = None  # called after every download of the state
-        # called before every download of the state, which replaces the parameters (low-comm: the node sets the
-        # inner updates' parameters aside, node.lowcomm.rounds.InnerRounds.enter_outer)
-        self.before_state_load: Optional[Callable[[], None]] = None
+        self.before_state_load = before_state_load
         self.node_catches_up = False  # the node brings a peer behind the swarm up to date itself (never step())
         # each gradient round's measured exchange (or its running out of time) sets the next one's deadline
         self.round_clock: Optional[RoundClock] = None
@@ -220,7 +110,8 @@ class SwarmOptimizer(hivemind.Optimizer):
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
         return PacedTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
                              client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=True,
-                             settle_s=self._settle_s, **kwargs)
+                             settle_s=self._settle_s, others_present=self._others_present, round_due=self._round_due,
+                             **kwargs)
 
     @property
     def peer_id(self) -> str:
@@ -401,160 +292,3 @@ def update_bonus(bonus: float, clean: bool) -> float:
     highest priority: a complete round's over a failed one's, distinct per peer.
     """
     return (0.7 if clean else 0.4) + 0.29 * bonus
-
-
-@contextlib.contextmanager
-def _closed_join(closed: bool):
-    """In a closed swarm, hivemind's "bootstrap failed" also means that the initial peers hold another key: say so."""
-    try:
-        yield
-    except RuntimeError as e:
-        if closed and "bootstrap failed" in str(e):
-            raise SwarmJoinError(f"{e}: in a closed swarm, none of the initial peers answered with this --swarm-key "
-                                 f"(they are unreachable, or hold another key or none)") from None
-        raise
-
-
-class Swarm:
-    """The DHT and the collaborative optimizer of one node, and their bounded shutdown."""
-
-    def __init__(self, config: SwarmConfig, local_optimizer: torch.optim.Optimizer,
-                 local_gradients: Callable[[], Sequence[torch.Tensor]], verbose: bool = False,
-                 low_comm: bool = False, round_clock: Optional[RoundClock] = None):
-        """`round_clock`: keeps the all-reduce deadline from each round's measured throughput (node.swarm.deadlines);
-        None: `config.averaging_timeout_s` throughout."""
-        self.config = config
-        # a closed swarm: the key is read (or refused) before anything starts; the run's DHT keys are then named
-        # with it, and every DHT request and response carries its HMAC (node.swarm.swarmkey)
-        swarm_key = load_swarm_key(config.swarm_key_path) if config.swarm_key_path is not None else None
-        self.run_id = keyed_run_id(swarm_key, config.run_id) if swarm_key else config.run_id
-        self.closed = swarm_key is not None
-        identity_path = config.identity_path
-        if identity_path and not os.path.exists(identity_path):
-            P2P.generate_identity(identity_path)  # a stable peer id across restarts
-            logger.info(f"Generated a new libp2p identity in {identity_path}")
-        # the node's records are signed with its libp2p identity, so a record's subkey names its peer
-        # (node.swarm.records); without --identity-path a fresh one is made for this run
-        self.owner = RecordOwner.from_identity(identity_path) if identity_path else RecordOwner.generate()
-        # asked before the DHT starts: hivemind's client mode is chosen when a peer is created
-        self.reachability: Reachability = decide(config.reachability, config.relay, config.initial_peers,
-                                                 config.host_maddrs, config.announce_maddrs, swarm_key=swarm_key)
-        logger.info(self.reachability.describe())
-        client = self.reachability.mode == "client"
-        keep_state_shared(local_optimizer)  # before hivemind forks its first process, and can hand the state out
-        memory.trim()  # what the moves to shared memory freed is not inherited by the forks either
-        with identity_kwargs(self.owner, identity_path) as identity, _closed_join(self.closed):
-            self.dht = hivemind.DHT(
-                initial_peers=list(config.initial_peers),
-                host_maddrs=list(config.host_maddrs),
-                announce_maddrs=list(config.announce_maddrs) or None,
-                client_mode=client,
-                use_relay=config.relay,
-                use_auto_relay=config.relay and client,
-                record_validators=[self.owner.validator, presence_validator(self.run_id)],
-                authorizer=SwarmKeyAuthorizer(swarm_key) if swarm_key else None,
-                start=True,
-                **identity,
-            )
-        self.optimizer: Optional[SwarmOptimizer] = None
-        self.service: Optional[NodeService] = None
-        self._shut_down = threading.Event()
-        try:
-            if swarm_key:  # answer the challenges of peers' gated RPCs (node.swarm.keygate)
-                start_prover(self.dht, swarm_key)
-            # the node's own RPCs; a client-mode peer is asked no dial-back: nobody can dial it
-            self.service = NodeService(self.dht, swarm_key) if client else ReachabilityService(self.dht, swarm_key)
-            self.peer_id = str(self.dht.peer_id)
-            if self.peer_id != self.owner.peer_id:  # records would name another peer than the one that wrote them
-                raise RuntimeError(f"p2pd runs as {self.peer_id}, not as the record key's peer {self.owner.peer_id}")
-            self.maddrs = [str(addr) for addr in self.dht.get_visible_maddrs()]
-            # Every node applies the same averaged update: gradients are all-reduced, then parameters and Adam
-            # moments (delay_state_averaging=False keeps state averaging inside the update). In low-communication
-            # mode the "gradient" is the pseudo-gradient, compressed on the wire, the optimizer is the outer
-            # Nesterov step, and only the parameters are averaged after it; the outer momentum is each node's own,
-            # built from the same averaged pseudo-gradients.
-            low = dict(grad_compression=lowcomm_codec.compression(config.wire_codec),
-                       average_opt_statistics=()) if low_comm else dict(average_opt_statistics=("exp_avg", "exp_avg_sq"))
-            averager = partial(CommittingGradientAverager, record_subkey=self.owner.subkey, swarm_key=swarm_key)
-            if low_comm and config.wire_codec == "sparse":
-                # every member computes the same average from the same payloads (node.lowcomm.gather), so the
-                # outer step gives the same bits everywhere: no parameter averaging after it
-                averager = partial(SparseGatherAverager, record_subkey=self.owner.subkey, swarm_key=swarm_key,
-                                   fraction=config.topk_fraction)
-                low["average_state_every"] = NEVER
-            self.optimizer = SwarmOptimizer(
-                local_gradients=local_gradients,
-                update_bonus=peer_bonus(self.peer_id),
-                swarm_key=swarm_key,
-                settle_s=config.settle_s,
-                dht=self.dht,
-                run_id=self.run_id,
-                target_batch_size=config.target_batch_size,
-                optimizer=local_optimizer,
-                matchmaking_time=config.matchmaking_time_s,
-                averaging_timeout=config.averaging_timeout_s,
-                next_chunk_timeout=chunk_timeout(config.averaging_timeout_s),  # also bounds a state download's chunks
-                load_state_timeout=config.load_state_timeout_s,
-                delay_state_averaging=False,
-                client_mode=client,  # hivemind 1.1.12 takes the DHT's mode when this is given at all
-                reuse_grad_buffers=True,  # the node writes the exact samples-weighted gradient into .grad itself
-                # a gradient round is applied whole or not at all; members' outcomes are signed records
-                grad_averager_factory=averager,
-                **{"average_state_every": 1, **low},
-                averager_opts=dict(request_timeout=config.request_timeout_s),
-                # the tracker signs its progress records with the DHT's one record key (hivemind keeps the first
-                # RSASignatureValidator a DHT is given and ignores later ones)
-                tracker_opts=dict(min_refresh_period=0.2, max_refresh_period=TRACKER_MAX_REFRESH_S,
-                                  default_refresh_period=0.5, private_key=self.owner.private_key),
-                verbose=verbose,
-            )
-            self.optimizer.round_clock = round_clock
-        except BaseException:
-            self.shutdown()
-            raise
-
-    @property
-    def client_mode(self) -> bool:
-        return self.reachability.mode == "client"
-
-    @property
-    def epoch(self) -> int:
-        return self.optimizer.local_epoch
-
-    def wait_for_progress(self, timeout_s: float) -> bool:
-        """Bounded wait for the tracker's first look at the swarm's progress (so global_epoch is real)."""
-        return self.optimizer.tracker.fetched_global_progress_this_epoch.wait(timeout_s)
-
-    def shutdown(self, timeout_s: Optional[float] = None) -> None:
-        """Idempotent: the training thread and a stopping main thread may both call it.
-
-        hivemind's own shutdown waits on an all-reduce in flight and then on each process's grace period in turn
-        (more than 15 s seen here). With `timeout_s` it gets that long; then hivemind's processes still alive are
-        terminated, which is what hivemind itself does when a grace period runs out.
-        """
-        if timeout_s is None:
-            self._shut_down_once()
-            return
-        deadline = time.monotonic() + timeout_s
-        threading.Thread(target=self._shut_down_once, name="dtrain-shutdown", daemon=True).start()
-        averagers = (getattr(self.optimizer, "grad_averager", None), getattr(self.optimizer, "state_averager", None))
-        processes = [p for p in (*averagers, self.dht) if p is not None]
-        # wait for the processes, not the thread: another thread may be inside the graceful shutdown already
-        while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        for process in processes:
-            if process.is_alive():
-                logger.warning(f"{type(process).__name__} did not shut down within {timeout_s:.0f}s; terminating it")
-                process.terminate()
-
-    def _shut_down_once(self) -> None:
-        if self._shut_down.is_set():
-            return
-        self._shut_down.set()
-        for part in (self.service, self.optimizer, self.dht):  # the DHT last: it also stops the p2pd child process
-            if part is None:
-                continue
-            try:
-                part.shutdown()
-            except Exception as e:
-                logger.warning(f"Shutting down {type(part).__name__} failed: {e!r}")

@@ -1,9 +1,14 @@
-"""The training thread's iteration in low-communication mode (`--sync low-comm`, docs/low-communication.md).
+"""The training loop in low-communication mode (`--sync low-comm`, the default; docs/low-communication.md).
 
-`TrainingNode` owns the model, the swarm and the catch-up; in low-comm mode each of its iterations is this loop's:
-inner AdamW updates on hand-overs and local batches until --inner-steps are done, then one hivemind
-Optimizer.step that runs the outer round (node.lowcomm.rounds.InnerRounds keeps the anchor, the pseudo-gradient set
-aside and the error feedback). Training thread only.
+    inner loop:  hand-overs and batches of the node's own data -> pending gradient -> one inner AdamW update
+    outer round: once the round is due (--inner-steps inner updates and --min-round-seconds): one hivemind
+                 Optimizer.step that averages the pseudo-gradients (anchor - parameters) and applies the outer
+                 Nesterov step; its result is the next served step (node.train.publication)
+
+node.lowcomm.rounds.InnerRounds keeps the anchor, the pseudo-gradient set aside and the error feedback. A served
+step is an outer round, for a node alone too: its inner updates are its own, not published, hashed or recorded.
+The one exception is the spec's single server: a node alone that nothing but contributors' packets trains makes one
+update per hand-over. Training thread only.
 """
 from __future__ import annotations
 
@@ -14,67 +19,70 @@ import torch
 from hivemind.utils.logging import get_logger
 
 from dtrain.node.checkpoint import Checkpoint, RoundState
-from dtrain.node.swarm.optimizer import regroup_state_dict
+from dtrain.node.train.adamw import regroup_state_dict
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the node core the loop runs on (node.train.trainer); it imports no loop's module at run time
     from dtrain.node.train.trainer import TrainingNode
 
 logger = get_logger(__name__)
 
 
-class OuterRoundLoop:
-    """One low-comm node's iterations. It works on its node's parts (pool, pending gradient, rounds, swarm) and
-    hands updates and downloads back to the node, which serves them."""
-
-    def __init__(self, node: TrainingNode):
+class LowCommLoop:
+    def __init__(self, node: "TrainingNode"):
         self.node = node
-        self.round_due = False  # what the tracker asks (node.swarm.optimizer.PacedTracker.round_due)
+        self.round_due = False  # what the tracker asks (node.swarm.tracker.PacedTracker.round_due)
 
     def iteration(self) -> bool:
-        """Inner updates until --inner-steps are done, then the outer round. Once done, a node takes no hand-over
-        and trains on no local batch until the round: its packets wait in the pool, and the swarm's samples stop
-        growing when every node is done, which begins the round."""
-        node = self.node
-        worked, rounds = False, node.rounds
+        """Inner updates until the round is due, then the outer round; returns whether there was work. Once the
+        round is due a node takes no hand-over and trains on no local batch until the round: its packets wait in
+        the pool, and the swarm's samples stop growing when every node is done, which begins the round."""
+        node, rounds, worked = self.node, self.node.rounds, False
         while not rounds.due and (hand_over := node.pool.take()) is not None:
-            node._add(hand_over.contributions)
+            node.intake.add(hand_over.contributions)
             del hand_over
             worked = True
-            self._inner_step()
-            if node._alone():
-                self._step()  # alone, every hand-over is one update (the spec's single server)
-        if node.dataset is not None and not rounds.due and node._wants_local_batch():
-            node._local_batch()
-            self._inner_step()
+            self._inner_update()
+            if self._single_server():
+                self._outer_round()
+        if node.dataset is not None and not rounds.due and node.wants_local_batch():
+            node.local_batch()
+            self._inner_update()
             worked = True
-        node._catch_up()
+        node.catch_up()
         if node.gradient.samples > 0:
-            self._step()
-        node._housekeeping()
+            self._outer_round()
+        node.housekeeping()
         return worked
 
-    def _inner_step(self) -> None:
+    def _single_server(self) -> bool:
+        """The spec's single server: alone, and trained by contributors' packets only, every hand-over is one
+        served update. A node that trains on its own data serves a step per outer round, alone or not."""
+        return not self.node.trains_on_own_data() and self.node.alone()
+
+    def _inner_update(self) -> None:
         node = self.node
         if node.gradient.undrained_samples:
             # a peer's download gets the served snapshot, never these parameters (node.swarm.state.ServedState)
             node.rounds.inner_step(node.gradient.drain())
 
-    def _step(self) -> None:
-        """One hivemind Optimizer.step, once the round is due (or the node is alone): reports the samples of the
+    def _outer_round(self) -> None:
+        """One hivemind Optimizer.step, once the round is due (or for the single server): reports the samples of the
         inner updates and runs the round. The parameters stay where the inner updates left them inside it (the outer
         step goes from the anchor, a download sets them aside first: node.lowcomm.rounds): whatever replaces them
         there (an outer update, a download) is followed by settle or carry."""
         node = self.node
         opt, rounds = node.swarm.optimizer, node.rounds
-        alone = node._alone()
-        self.round_due = alone or rounds.due
+        alone = node.alone()
+        self.round_due = rounds.due or (alone and not node.trains_on_own_data())
         if not self.round_due:
             self._report()
             return
+        started = time.monotonic()
+        inner_updates = rounds.steps
         outer = opt.state_averager.optimizer
         outer.passthrough, outer.source = alone, rounds.begin()
-        node._recheck(force=opt.tracker.ready_to_update_epoch)  # may download the swarm's bytes of the last step
-        if node._unverified:
+        node.recheck(force=opt.tracker.ready_to_update_epoch)  # may download the swarm's bytes of the last step
+        if node.unverified:
             rounds.carry()
             return
         counted = opt.grad_averager
@@ -86,17 +94,16 @@ class OuterRoundLoop:
         epoch_before, round_before = opt.local_epoch, opt.last_round
         if new_samples:
             node.presence.reported_samples()
-        started = time.monotonic()
         opt.step(batch_size=new_samples)
         if opt.state_averager.torn:  # hivemind's download inside step() failed part-way: loaded again
-            node._unverified = True
+            node.unverified = True
         if opt.local_epoch == epoch_before:
             if rounds.due and rounds.holds_inner():
                 # waiting for the round: in it, its offer made once; a joiner downloads the served snapshot
-                node._share_state()
+                node.publisher.share_state()
                 return
             rounds.carry()  # back to the inner updates' parameters (on the swarm's bytes, if a download came)
-            node._sync_sharing()
+            node.publisher.share_state()
             return
         outcome = opt.last_round
         if outcome is not round_before and outcome.epoch == opt.local_epoch:
@@ -104,24 +111,39 @@ class OuterRoundLoop:
                 rounds.landed()  # .grad (and parameters set aside, if any) go before the update's snapshot is made
             if node.catchup is not None:
                 node.catchup.record(outcome)
-            node._after_update(outcome, time.monotonic() - started)
-            node._updated(time.monotonic() - started)
+            self._publish(outcome, started, inner_updates)
         else:  # hivemind downloaded the swarm's state inside step()
-            node._after_catch_up(node.agreement.check_download())
+            node.after_catch_up(node.agreement.check_download())
+
+    def _publish(self, outcome, started: float, inner_updates: int) -> None:
+        """The outer update's step served: the peers agree on its digest, the round's buffers go, its snapshot
+        becomes the next anchor (or, without this node's pseudo-gradient in it, the pseudo-gradient is carried)."""
+        node, rounds, publisher = self.node, self.node.rounds, self.node.publisher
+        verdict = publisher.agree(outcome)
+        if verdict.included:
+            rounds.applied()  # .grad and the offer go before the snapshot (P) is made
+        snap = publisher.snapshot_of(verdict)
+        if verdict.included:  # the anchor: the snapshot's bytes, which the node publishes below
+            rounds.settle(snap.f32 if snap is not None else None)
+        else:
+            rounds.carry()
+        publisher.share_state()
+        if not publisher.served(verdict, snap, outcome, started, inner_updates):
+            node.unverified = True  # keep serving the last step; catch_up downloads again
 
     def _report(self) -> None:
         """With peers, before this node's inner updates are done: its new samples go to the swarm's progress, and
         nothing else. No round can begin (the tracker waits for this node's), so the parameters stay where the inner
         updates left them: no set-aside copy and no offer until the round is due. A download the swarm's progress
-        calls for comes from `_catch_up`, which sets the pseudo-gradient aside itself."""
+        calls for comes from `catch_up`, which sets the pseudo-gradient aside itself."""
         node = self.node
-        node._recheck(force=False)  # a download (following another peer's bytes) sets them aside first
+        node.recheck(force=False)  # a download (following another peer's bytes) sets them aside first
         if node.rounds.in_outer:
             node.rounds.carry()  # onto the bytes it downloaded
-            node._sync_sharing()
+            node.publisher.share_state()
         opt = node.swarm.optimizer
         new_samples = max(node.gradient.samples - opt.grad_averager.local_samples_accumulated, 0)
-        if new_samples and not node._unverified:
+        if new_samples and not node.unverified:
             node.presence.reported_samples()
             opt.report_samples(new_samples)
 

@@ -1,11 +1,16 @@
-"""The node's training loop and the thread-safe interface the bridge calls.
+"""The node core: the model, the training thread and the thread-safe interface the bridge calls.
 
-Every call into hivemind happens on one thread owned by `TrainingNode`, which composes:
-- `ContributionPool` (node.pool): contributions accepted from the bridge, in groups of `min_nodes_for_update`;
-- `PendingGradient` (node.gradient): what this node gathered that no update applied yet, carried until one does;
-- `Swarm` (node.swarm): the DHT and hivemind.Optimizer; `Presence` (node.presence): who is in the swarm;
-- `Agreement` (node.agreement): which bytes every peer serves after an update, and whose gradients are in them;
-- `OuterRoundLoop` (train.outer_rounds): in low-comm mode, the iteration of inner updates and outer rounds.
+Every call into hivemind happens on one thread owned by `TrainingNode`. Its iterations are one loop's, per sync
+mode: node.train.low_comm.LowCommLoop (inner updates, then an outer round) or node.train.per_step.PerStepLoop (an
+averaged update per step). Both run on the parts the node composes:
+- `ContributionPool` (train.pool): contributions accepted from the bridge, in groups of `min_nodes_for_update`, and
+  `Intake` (train.intake): a group robustly aggregated into the pending gradient;
+- `PendingGradient` (train.gradient): what this node gathered that no update applied yet, carried until one does;
+- `Compute` (train.compute): forward and backward passes of a batch of the node's own data, on its device;
+- `Swarm` (swarm.swarm): the DHT and hivemind.Optimizer; `Presence` (swarm.presence): who is in the swarm;
+- `Agreement` (swarm.agreement): which bytes every peer serves after an update, and whose gradients are in them;
+- `StepPublisher` (train.publication): a served step's digest, snapshot, records and log line, once per step.
+The node itself joins the swarm, catches up when it falls behind, and saves checkpoints.
 
 Other threads only call `submit(contribution)`, `snapshot()`, `losses()` and `status()`.
 """
@@ -31,19 +36,23 @@ from dtrain.node.lowcomm.rounds import InnerRounds
 from dtrain.node.lowcomm.roundlog import CatchUp
 from dtrain.node.lowcomm.statefetch import RangeDonor, SpreadDownload
 from dtrain.node.train.compute import Compute
+from dtrain.node.train.adamw import make_local_optimizer, regroup_state_dict
 from dtrain.node.train.gradient import PendingGradient
-from dtrain.node.train.outer_rounds import OuterRoundLoop
+from dtrain.node.train.intake import Intake
+from dtrain.node.train.low_comm import LowCommLoop
+from dtrain.node.train.per_step import PerStepLoop
+from dtrain.node.train.publication import StepPublisher
 from dtrain.node.train.ledger import ContributorLedger, ScoringConfig
 from dtrain.node.hfdir import load_params
 from dtrain.node.model import TensorInfo, build_model, tensor_infos
 from dtrain.node.train.pool import ContributionPool
 from dtrain.node.swarm.presence import ANNOUNCE_EVERY_S, PeerInfo, Presence
 from dtrain.node.train.reference import ReferenceConfig, ReferenceSource
-from dtrain.node.train.robust import RobustAggregator, RobustConfig, all_finite, optimizer_state_tensors
-from dtrain.node.snapshot import PendingSnapshot, Snapshot, make_snapshot, params_digest
+from dtrain.node.train.robust import RobustAggregator, RobustConfig
+from dtrain.node.snapshot import Snapshot, make_snapshot, params_digest
 from dtrain.node.swarm.deadlines import RoundClock, swarm_deadlines
-from dtrain.node.swarm.optimizer import SHUTDOWN_TIMEOUT_S, Swarm, make_local_optimizer, regroup_state_dict
-from dtrain.node.swarm.state import ServedState, keep_state_shared
+from dtrain.node.swarm.state import keep_state_shared
+from dtrain.node.swarm.swarm import SHUTDOWN_TIMEOUT_S, Swarm
 
 logger = get_logger(__name__)
 
@@ -51,6 +60,9 @@ POLL_S = 0.25  # how long an idle training thread sleeps unless a hand-over wake
 # how long a joiner of a swarm at epoch 0 looks for the peers' record of its start before it downloads it: the
 # founder's is in the DHT from its start and refreshed every few seconds (node.swarm.agreement.KEEP_ALIVE_S)
 START_RECORD_WAIT_S = 10.0
+# low-comm on a GPU: the least time between served steps (--min-round-seconds), so that a browser that needs seconds
+# for a packet stays inside the late window of five steps
+DEFAULT_MIN_ROUND_S_GPU = 5.0
 
 
 class NodeStopped(RuntimeError):
@@ -132,23 +144,23 @@ class TrainingNode:
         # the all-reduce deadline: sized for the bytes of a round, kept from each round's measured throughput
         self.swarm_config, deadlines, sizes = swarm_deadlines(config.swarm, self.total_params)
         self.round_clock = RoundClock(deadlines, sizes)
-        self.outer_rounds = OuterRoundLoop(self) if self.low_comm else None
+        self.intake = Intake(self.aggregator, self.ledger, self.gradient, [t.elements for t in self.tensors],
+                             lambda: self.step, self.reference, optimizer=self._inner_optimizer)
+        self.loop = LowCommLoop(self) if self.low_comm else PerStepLoop(self)  # the training thread's iterations
         self.rounds: Optional[InnerRounds] = None  # low-comm: this node's inner updates since the last outer round
         self.catchup: Optional[CatchUp] = None  # sparse codec: the round log, and catching up by replaying it
         self.donor: Optional[RangeDonor] = None  # sparse codec, --state-donors: serves ranges of the served state
         self.swarm: Optional[Swarm] = None
         self.presence: Optional[Presence] = None
         self.agreement: Optional[Agreement] = None
+        self.publisher: Optional[StepPublisher] = None  # the served step, from the end of the join on
 
-        self._lock = threading.Lock()  # guards _losses
-        self._losses: list[float] = []
-        self._snapshot: Optional[Snapshot] = None
+        self._losses: list[float] = []  # a restored checkpoint's, until the publisher holds them
         self._snapshot_listeners: list[Callable[[Snapshot], None]] = []
         self._update_listeners: list[Callable[[float], None]] = []
-        self._last_update_s = 0.0
         self._last_checkpoint_epoch = 0
         self._first_state = ""  # how the state of its first served step came (NodeStatus.first_state)
-        self._unverified = False  # the model holds downloaded bytes the swarm disagrees with: catch up, never serve
+        self.unverified = False  # the model holds downloaded bytes the swarm disagrees with: catch up, never serve
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by the pool when a hand-over is ready
         self.pool.on_ready(self._wake.set)
@@ -193,10 +205,14 @@ class TrainingNode:
     def add_update_listener(self, callback: Callable[[float], None]) -> None:
         """Called on the training thread with the seconds each update of this node took, until it served it."""
         self._update_listeners.append(callback)
+        if self.publisher is not None:
+            self.publisher.add_update_listener(callback)
 
     def add_snapshot_listener(self, callback: Callable[[Snapshot], None]) -> None:
         """Called on the training thread after every new snapshot (split inference reloads its weights)."""
         self._snapshot_listeners.append(callback)
+        if self.publisher is not None:
+            self.publisher.add_snapshot_listener(callback)
 
     # ---- interface for other threads -----------------------------------------------------------------------
 
@@ -213,7 +229,7 @@ class TrainingNode:
         return self.swarm.peer_id if self.swarm else ""
 
     def snapshot(self) -> Snapshot:
-        snap = self._snapshot
+        snap = self.publisher.snapshot if self.publisher is not None else None
         if snap is None:
             raise NodeStopped("node has not started")
         return snap
@@ -226,8 +242,7 @@ class TrainingNode:
         return self.pool.add(contribution)
 
     def losses(self) -> list[float]:
-        with self._lock:
-            return list(self._losses)
+        return self.publisher.losses() if self.publisher is not None else list(self._losses)
 
     def status(self) -> NodeStatus:
         snap = self.snapshot()
@@ -242,7 +257,7 @@ class TrainingNode:
             accepted_samples=pool.accepted_samples, applied_packets=grad.applied_packets,
             applied_samples=grad.applied_samples, carried_packets=grad.carried_packets,
             carried_samples=grad.carried_samples, pending_samples=grad.pending_samples,
-            last_update_s=self._last_update_s,
+            last_update_s=self.publisher.last_update_s if self.publisher is not None else 0.0,
             reachability=self.swarm.reachability.as_dict() if self.swarm else {},
             skipped_rounds=self.swarm.optimizer.skipped_rounds if self.swarm else 0,
             references=self.reference.computed if self.reference else 0,
@@ -286,15 +301,19 @@ class TrainingNode:
             logger.info(f"Restored checkpoint: epoch {restored.epoch}, {len(restored.losses)} losses")
 
         local_gradients = (lambda: self.rounds.offer()) if self.low_comm else self.gradient.mean
-        self.swarm = swarm = Swarm(self.swarm_config, local_opt, local_gradients=local_gradients,
-                                   low_comm=self.low_comm, round_clock=self.round_clock)
+        self.swarm = swarm = Swarm(
+            self.swarm_config, local_opt, local_gradients=local_gradients, low_comm=self.low_comm,
+            round_clock=self.round_clock,
+            others_present=lambda: self.presence is not None and not self.presence.alone(),
+            # low-comm: the loop's rule; whatever downloads sets the inner updates' parameters aside first
+            round_due=(lambda: self.loop.round_due) if self.low_comm else None,
+            before_state_load=(lambda: self.rounds is not None and self.rounds.enter_outer()) if self.low_comm else None)
         opt = swarm.optimizer
         if restored is not None:
             opt.state_averager.local_epoch = restored.epoch
             opt.tracker.report_local_progress(restored.epoch, 0)
         self.presence = Presence(swarm.dht, swarm.run_id, swarm.owner, swarm.maddrs, cfg.port,
                                  model=self.model_config.architecture())
-        opt.tracker.others_present = lambda: not self.presence.alone()
         self.agreement = Agreement(swarm.dht, opt, self.model, self.swarm_config, self._stop, seed_digest,
                                    swarm.owner)
         self._rng = np.random.default_rng(int.from_bytes(swarm.peer_id.encode()[-8:], "little"))
@@ -308,7 +327,7 @@ class TrainingNode:
             behind = self.agreement.saw(opt.tracker.global_epoch) > opt.local_epoch
             if restored is None and not behind and self.agreement.holds_swarm_start(seed_digest, START_RECORD_WAIT_S):
                 # every node builds the same seeded (or --init-from) model: at epoch 0 a download would bring the
-                # bytes it holds. A swarm that moved on meanwhile is caught up with like any node behind (_catch_up)
+                # bytes it holds. A swarm that moved on meanwhile is caught up with like any node behind (catch_up)
                 self._first_state = "own state"
                 logger.info(f"This node's state is the swarm's start (epoch 0, sha256 {seed_digest}): no download")
             elif restored is None or behind or not self._swarm_serves_my_bytes():
@@ -317,22 +336,26 @@ class TrainingNode:
         if self.low_comm:
             fraction = cfg.swarm.topk_fraction if cfg.swarm.wire_codec == "sparse" else None
             self.rounds = InnerRounds(list(self.model.parameters()), inner, cfg.swarm.inner_steps, fraction,
-                                      published=lambda: self._snapshot.f32 if self._snapshot is not None else None)
-            opt.tracker.round_due = lambda: self.outer_rounds.round_due
-            opt.before_state_load = self.rounds.enter_outer  # whatever downloads: the inner parameters aside first
+                                      published=self._served_f32, min_round_s=self._min_round_s())
             if fraction is not None:  # every node computes the same outer step: a node behind may replay rounds
                 self.catchup = CatchUp(swarm, self.agreement, self.model, fraction, cfg.swarm.link_mbit)
                 if cfg.swarm.state_donors > 0 and not swarm.client_mode:  # nobody can dial a client-mode peer
                     self.donor = RangeDonor(self.total_params, swarm.service)
+        self.publisher = StepPublisher(self.model, swarm, self.agreement, self.gradient, self.pool, self.low_comm,
+                                       donor=self.donor, losses=self._losses)
+        for callback in self._snapshot_listeners:
+            self.publisher.add_snapshot_listener(callback)
+        for callback in self._update_listeners:
+            self.publisher.add_update_listener(callback)
         snap = make_snapshot(self.model, opt.local_epoch)
         if (checked and snap.updates > 0) or (snap.updates == 0 and self._first_state in ("founder", "own state")):
             # a founder's epoch 0 is the swarm's start, which a joiner cannot rebuild when it was imported; a joiner
             # that holds it checked it against the founder's record (and is a donor of it: --state-donors)
             self.agreement.vouch(snap)
-        self._publish(snap)
+        self.publisher.publish(snap)
         if self.rounds is not None and restored is not None and restored.round is not None:
-            self.outer_rounds.resume(restored)  # off the anchor: the snapshot served is the anchor's
-            self._sync_sharing()
+            self.loop.resume(restored)  # off the anchor: the snapshot served is the anchor's
+            self.publisher.share_state()
         self._last_checkpoint_epoch = opt.local_epoch
         if any(peer != swarm.peer_id for peer in self.presence.refresh(snap.step, 0)):
             # ready once every node has read this one's announcement: until then a node that takes a packet
@@ -396,7 +419,7 @@ class TrainingNode:
         try:
             while not self._stop.is_set():
                 try:
-                    worked = self._iteration()
+                    worked = self.loop.iteration()
                 except Exception as e:  # log and go on: one failed round must not stop the node
                     logger.exception(f"Training round failed: {e!r}")
                     worked = False
@@ -410,38 +433,23 @@ class TrainingNode:
             self.swarm.shutdown()
             logger.info("Swarm connection closed")
 
-    def _alone(self) -> bool:
+    # ---- what the loops run on (training thread only) ------------------------------------------------------
+
+    def alone(self) -> bool:
+        """No other node in the swarm, as the presence records and the swarm's progress show."""
         if self.presence.due():  # a node that joined since the last look must not be missed
             self.presence.refresh(self.step, self.gradient.samples)
         return self.presence.alone() and self.swarm.optimizer.tracker.global_progress.num_peers <= 1
 
-    def _iteration(self) -> bool:
-        if self.outer_rounds is not None:
-            return self.outer_rounds.iteration()
-        worked = False
-        # Alone, every hand-over is one update (the spec's single server); in a swarm, all that is ready goes into
-        # the next update together.
-        while (hand_over := self.pool.take()) is not None:
-            self._add(hand_over.contributions)
-            del hand_over  # its packets' widened arrays (about 4x a Mode 2 packet) go before the update, not after
-            worked = True
-            if self._alone():
-                self._step()
-        if self.dataset is not None and self._wants_local_batch():
-            self._local_batch()
-            worked = True
-        # a peer behind the swarm takes its state first, so that its gradient joins the swarm's next round
-        self._catch_up()
-        if self.gradient.samples > 0 or self._round_for_clients():
-            self._step()  # lets hivemind schedule and run the update the swarm is gathering samples for
-        self._housekeeping()
-        return worked
+    def trains_on_own_data(self) -> bool:
+        """The node trains on batches of its own data (--train-data, once --wait-for-peers is met)."""
+        return self.dataset is not None and self._peers_arrived
 
-    def _housekeeping(self) -> None:
+    def housekeeping(self) -> None:
         """After each iteration: the presence record and agreement kept alive, the checkpoint when one is due."""
         if self.presence.due():
             self.presence.refresh(self.step, self.gradient.samples)
-        # on a timer of its own: the presence is also refreshed elsewhere (_alone, --wait-for-peers), which left
+        # on a timer of its own: the presence is also refreshed elsewhere (alone, --wait-for-peers), which left
         # this peer's records to expire in a swarm waiting for peers or idle
         self.agreement.keep_alive()
         epoch = self.swarm.epoch
@@ -449,52 +457,7 @@ class TrainingNode:
             self._save_checkpoint()
             self._last_checkpoint_epoch = epoch
 
-    def _round_for_clients(self) -> bool:
-        """A full peer with nothing of its own joins (with weight 0) an update the swarm gathered samples for while
-        a client-mode peer is in it: client-mode peers cannot lead an averaging group, so without a full peer in the
-        round their gradients would never be averaged (docs/home-nodes.md)."""
-        if self.swarm.client_mode or self._unverified:
-            return False
-        tracker = self.swarm.optimizer.tracker
-        progress = tracker.global_progress
-        return progress.num_clients > 0 and progress.samples_accumulated > 0 and tracker.ready_to_update_epoch
-
-    def _add(self, contributions) -> None:
-        """One hand-over, robustly aggregated (CenteredClip by default: the exact weighted mean unless someone is
-        far out), into the pending gradient; refused whole if it would still not be finite. Judged against the node's
-        own gradient at this step when it has a reference, else (with --min-cosine) against its Adam momentum."""
-        ids = {c.contributor for c in contributions}
-        reference = None
-        if self.reference is not None and self.aggregator.config.min_cosine is not None:
-            reference = self.reference.at(self.step)
-        if reference is not None:
-            result = self.aggregator.aggregate(contributions, reference.gradient, trusted=True,
-                                               ramps=self.ledger.ramps(ids), excluded=self.ledger.excluded(ids))
-        else:
-            result = self.aggregator.aggregate(contributions, self._momentum(), excluded=self.ledger.excluded(ids))
-        self.ledger.record_aggregate(result)
-        if not all_finite(values for _, _, values in result.parts):  # every other element is 0
-            ids = sorted({c.contributor for c in contributions})
-            logger.warning(f"Refused a hand-over whose aggregate is not finite; contributors {ids}")
-            self.ledger.refused_update(ids)
-            return
-        self.gradient.add_parts(result.parts, result.samples, result.loss_sum, packets=len(contributions))
-
-    def _momentum(self) -> Optional[list[np.ndarray]]:
-        """The Adam first moment (exp_avg) per tensor, flat: the reference of the direction check (None when it is
-        off). Views, not copies: the training thread, which alone steps the optimizer, is the one reading them."""
-        if self.aggregator.config.min_cosine is None or self.reference is not None:
-            return None
-        # low-comm: the inner AdamW's (the swarm's optimizer is the outer Nesterov step)
-        opt = self.rounds.inner if self.rounds is not None else self.swarm.optimizer.state_averager.optimizer
-        params = [p for group in opt.param_groups for p in group["params"]]
-        moments = [opt.state.get(p, {}).get("exp_avg") for p in params]
-        if len(moments) != len(self.tensors) or any(m is None or m.numel() != t.elements
-                                                    for m, t in zip(moments, self.tensors)):
-            return None
-        return [m.detach().reshape(-1).numpy() for m in moments]
-
-    def _wants_local_batch(self) -> bool:
+    def wants_local_batch(self) -> bool:
         if self.rounds is not None and self.rounds.due:
             return False
         if not self._peers_arrived and not self._enough_peers():
@@ -520,7 +483,8 @@ class TrainingNode:
             logger.info(f"Waiting for {want} nodes before training on local data ({have} so far)")
         return self._peers_arrived
 
-    def _local_batch(self) -> None:
+    def local_batch(self) -> None:
+        """One batch of the node's own data: its gradient summed over the batch into the pending gradient."""
         cfg = self.config
         seq_len = min(cfg.local_seq_len, self.model_config.max_seq_len)
         tokens = self.dataset.batch(cfg.local_batch_size, seq_len, self._rng)
@@ -530,173 +494,78 @@ class TrainingNode:
         self.gradient.add(sums, batch, batch * loss.item(), local=True, adopt=self.compute.owns_grads)
         del sums
 
-    def _step(self) -> None:
-        """One hivemind Optimizer.step reporting the samples gathered since the last call."""
-        opt = self.swarm.optimizer
-        # a peer that served this epoch's bytes after we compared; always right before an update
-        self._recheck(force=opt.tracker.ready_to_update_epoch)
-        if self._unverified:
-            return  # no update on bytes the swarm disagrees with: _catch_up first
-        counted = opt.grad_averager  # hivemind's own counters: a download resets them without a new epoch
-        new_samples = max(self.gradient.samples - counted.local_samples_accumulated, 0)
-        self.gradient.write_grads(list(self.model.parameters()), counted.local_times_accumulated + 1)
-        epoch_before, round_before = opt.local_epoch, opt.last_round
-        before = self._snapshot
-        if new_samples:
-            self.presence.reported_samples()
-        started = time.monotonic()
-        opt.step(batch_size=new_samples)
-        if opt.state_averager.torn:  # hivemind's download inside step() failed part-way: loaded again
-            self._unverified = True
-        if opt.local_epoch == epoch_before:
-            return
-        outcome = opt.last_round
-        if outcome is not round_before and outcome.epoch == opt.local_epoch:
-            self._refuse_non_finite(before)
-            del before  # the served snapshot until the next one is published: then its bytes can go
-            self._after_update(outcome, time.monotonic() - started)
-            self._updated(time.monotonic() - started)
-        else:  # hivemind downloaded the swarm's state inside step() ("Peer is out of sync")
-            self._after_catch_up(self.agreement.check_download())
-
-    def _updated(self, took_s: float) -> None:
-        """An update this node served: `took_s` is the whole of it, agreement included."""
-        self._last_update_s = took_s
-        for callback in self._update_listeners:
-            try:
-                callback(took_s)
-            except Exception as e:
-                logger.exception(f"update listener failed: {e}")
-
-    def _after_update(self, outcome, took_s: float) -> None:
-        # the peers agree on digests: the update's snapshot (P) is made once the round's buffers are gone
-        verdict = self.agreement.after_update(PendingSnapshot.of(self.model, outcome.epoch), outcome)
-        snap = verdict.snapshot
-        if self.rounds is not None and verdict.included:
-            self.rounds.applied()  # low-comm: .grad and the offer go first
-        if isinstance(snap, PendingSnapshot):  # the swarm serves this node's bytes
-            snap = snap.make(self.model)
-        if self.rounds is not None:  # the parameters hold the swarm's update now, with or without this node's work
-            if verdict.included:  # the anchor: the snapshot's bytes, which the node publishes below
-                self.rounds.settle(snap.f32 if snap is not None else None)
-            else:
-                self.rounds.carry()
-            self._sync_sharing()
-        if verdict.included:
-            applied = self.gradient.settle()
-            if applied.samples:  # a full peer that joined only for client-mode peers' samples has no loss of its own
-                with self._lock:
-                    self._losses.append(applied.mean_loss)
-            totals, accepted = self.gradient.counters(), self.pool.counters().accepted_samples
-            loss = f"loss {applied.mean_loss:.4f}" if applied.samples else "none of its own, joined for client-mode peers"
-            logger.info(f"update {outcome.epoch}: {applied.samples} samples, {loss}; "
-                        f"{applied.packets} packets, {len(outcome.group)} peers, took {took_s:.1f}s "
-                        f"({applied.samples / max(took_s, 1e-9):.1f} samples/s); this node so far: accepted "
-                        f"{accepted}, applied {totals.applied_samples}, carried {totals.carried_samples} samples")
-        else:
-            self.gradient.carry()
-            logger.info(f"update {outcome.epoch} went without this node's gradient (peer {verdict.reference}'s "
-                        f"bytes); carrying {self.gradient.samples} samples into the next update")
-        if snap is None:
-            self._unverified = True  # keep serving the last step; _catch_up downloads again
-        else:
-            self._publish(snap)
-
-    def _refuse_non_finite(self, before: Snapshot) -> None:
-        """Never a non-finite model: an update that left a parameter or Adam moment non-finite (a peer's average,
-        since this node's own gradient was checked) is undone to the parameters served before it."""
-        opt = self.swarm.optimizer.state_averager.optimizer
-        if all_finite(list(self.model.parameters()) + optimizer_state_tensors(opt)):
-            return
-        logger.error(f"Update {self.swarm.epoch} left non-finite parameters or moments: keeping step {before.step}'s "
-                     f"parameters and zeroing the non-finite moments")
-        with torch.no_grad():
-            for p, saved in zip(self.model.parameters(), before.f32):
-                p.copy_(torch.from_numpy(np.array(saved)).view_as(p))
-            for t in optimizer_state_tensors(opt):
-                torch.nan_to_num_(t, nan=0.0, posinf=0.0, neginf=0.0)
-
-    def _catch_up(self) -> None:
+    def catch_up(self) -> None:
+        """A node behind the swarm, or holding bytes the swarm disagrees with, takes the swarm's state: by replaying
+        the rounds it missed where it can, else by a download (nothing pending is dropped)."""
         opt = self.swarm.optimizer
         if opt.tracker.global_epoch > opt.local_epoch:
             # the swarm moved on without us: take its state (nothing pending is dropped)
             logger.info(f"Behind the swarm (epoch {opt.local_epoch} < {opt.tracker.global_epoch}); loading state")
-        elif not self._unverified:
+        elif not self.unverified:
             return
         if self.rounds is not None:
             self.rounds.enter_outer()  # the pseudo-gradient aside: the download replaces the parameters
-        if self.catchup is not None and not self._unverified and self.catchup.replay():
-            self._after_catch_up(Download.CHECKED)  # the replayed bytes are the ones the peers publish
+        if self.catchup is not None and not self.unverified and self.catchup.replay():
+            self.after_catch_up(Download.CHECKED)  # the replayed bytes are the ones the peers publish
             return
         with self.presence.announcing(self.step):  # as a joiner's first download (_join_download)
             download = self.agreement.load_state_from_peers()
-        self._after_catch_up(download)
+        self.after_catch_up(download)
 
-    def _after_catch_up(self, download: Download) -> None:
+    def after_catch_up(self, download: Download) -> None:
+        """The swarm's state is in the model (or a download was refused): serve it, then the round goes on on top."""
         try:
             self._serve_download(download)
         finally:
             if self.rounds is not None:  # once the downloaded bytes are served: on top of them, for the next round
                 self.rounds.carry()
                 self.rounds.share_anchor()
-                self._sync_sharing()
+                self.publisher.share_state()
 
     def _serve_download(self, download: Download) -> None:
         if self.gradient.samples:
             self.gradient.carry()
         if download is Download.REFUSED:
-            self._unverified = True
+            self.unverified = True
             logger.warning(f"Serving step {self.step} until a download agrees with the swarm")
             return
-        self._unverified = False
+        self.unverified = False
         served = self.snapshot()
         if self.swarm.epoch == served.updates and params_digest(self.model) == served.digest:
-            self._share_state()
+            self.publisher.share_state()
             return  # nothing new: no copy and FP16 conversion of the whole model
         snap = make_snapshot(self.model, self.swarm.epoch)
         if download is Download.CHECKED:
             self.agreement.vouch(snap)
         else:
             logger.warning(f"Serving update {snap.updates} without a check against its peers' records")
-        self._publish(snap)
+        self.publisher.publish(snap)
 
-    def _recheck(self, force: bool) -> None:
-        snap = self._snapshot
+    def recheck(self, force: bool) -> None:
+        """Follow a peer that served this epoch's bytes with a higher priority (node.swarm.agreement.recheck)."""
+        snap = self.publisher.snapshot
         agreed = self.agreement.recheck(snap, force)
         if agreed is None:
-            self._unverified = True
+            self.unverified = True
         elif agreed is not snap:
-            self._publish(agreed)
+            self.publisher.publish(agreed)
 
-    def _sync_sharing(self) -> None:
-        """Low-comm: a node shares its state between rounds too: a download gets the served snapshot's parameters
-        and the outer state of their epoch, never the inner updates' parameters (node.swarm.state.ServedState)."""
-        self._share_state()
+    def _inner_optimizer(self) -> Optional[torch.optim.Optimizer]:
+        """The AdamW of the node's own updates: low-comm's inner one, or the one hivemind wraps per step."""
+        if self.rounds is not None:
+            return self.rounds.inner
+        return self.swarm.optimizer.state_averager.optimizer if self.swarm is not None else None
 
-    def _share_state(self) -> None:
-        # the model's bytes are the ones this node serves: peers may download them (off while it loads a state);
-        # nobody can download from a client-mode peer
-        if not self.swarm.client_mode:
-            self.swarm.optimizer.state_averager.allow_state_sharing = True
+    def _served_f32(self) -> Optional[tuple[np.ndarray, ...]]:
+        snap = self.publisher.snapshot if self.publisher is not None else None
+        return snap.f32 if snap is not None else None
 
-    def _publish(self, snap: Snapshot) -> None:
-        self._snapshot = snap
-        if self.donor is not None:  # the outer momentum of this epoch, copied before the next outer step moves it
-            outer = self.swarm.optimizer.state_averager.optimizer
-            momentum = [outer.state[p]["momentum_buffer"] for p in self.model.parameters()]
-            self.donor.hold(snap.updates, snap.f32, momentum)
-        if self.rounds is not None:  # low-comm: what a downloading peer gets from now on
-            averager = self.swarm.optimizer.state_averager
-            averager.served = ServedState(snap.updates, snap.f32, averager.optimizer.version)
-            self.rounds.share_anchor()  # the anchor an update just made is these bytes: its own copy goes now
-        self._share_state()
-        norm = float(np.sqrt(sum(np.dot(a.astype(np.float64), a) for a in snap.f32)))
-        logger.info(f"step {snap.step} params sha256 {snap.digest} l2 {norm:.12e}")
-        for callback in self._snapshot_listeners:
-            try:
-                callback(snap)
-            except Exception as e:
-                logger.exception(f"snapshot listener failed: {e}")
+    def _min_round_s(self) -> float:
+        """--min-round-seconds, or its default for the device: a GPU's inner updates come many a second."""
+        chosen = self.config.swarm.min_round_s
+        if chosen is not None:
+            return chosen
+        return DEFAULT_MIN_ROUND_S_GPU if self.device.is_cuda else 0.0
 
     def _save_checkpoint(self) -> None:
         if not self.config.checkpoint_dir or self.swarm is None or self.swarm.optimizer is None:
@@ -712,7 +581,7 @@ class TrainingNode:
                 losses=self.losses(),
                 model_config=self.model_config,
                 sync=self.config.swarm.sync,
-                round=self.outer_rounds.round_state() if self.rounds is not None else None,
+                round=self.loop.round_state() if self.rounds is not None else None,
             ))
         except Exception as e:
             logger.exception(f"Checkpoint failed: {e}")

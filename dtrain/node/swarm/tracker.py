@@ -1,0 +1,55 @@
+"""When an update of the swarm begins: hivemind's progress tracker with the swarm's own rule."""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.utils import get_dht_time
+
+
+class PacedTracker(ProgressTracker):
+    """hivemind's tracker with the swarm's own rule for when an update begins (docs/architecture.md, "When the swarm updates").
+
+    An update begins when the swarm moved to a later epoch, when the swarm's pending samples reach the target, or
+    once they stopped growing for `settle_s`. Two of hivemind's rules are left out:
+    - its estimate of when the target will be reached. It extrapolates each peer's samples per second, which a
+      bridge's bursts of packets make meaningless: a node that took 4 samples in 10 ms expected the rest at once and
+      updated alone while its peer's packet was still on the way;
+    - reaching the target while this peer's view of the swarm's progress shows no one else although other nodes
+      announced themselves (a node that joined or just received its first packet has not read their progress yet).
+      Then the settle rule decides, which waits long enough for the progress of every peer to be read.
+    """
+
+    def __init__(self, *args, settle_s: float, others_present: Callable[[], bool] = lambda: False,
+                 round_due: Optional[Callable[[], bool]] = None, **kwargs):
+        self.settle_s = settle_s
+        # whether other nodes announced themselves (node.swarm.presence); a swarm without announcements (the
+        # adapter's, node.serve.adapter) says always
+        self.others_present = others_present
+        # low-communication mode: the node's own rule (its round is due, or it is the single server) replaces the
+        # target and the settle rule; then this peer's round begins once the swarm's samples stopped growing
+        self.round_due = round_due
+        self._seen_samples, self._grew_at = 0, time.monotonic()
+        super().__init__(*args, **kwargs)
+
+    @property
+    def ready_to_update_epoch(self) -> bool:
+        if self.global_epoch > self.local_progress.epoch:
+            return True
+        progress = self.global_progress
+        samples = progress.samples_accumulated
+        if samples != self._seen_samples:
+            self._seen_samples, self._grew_at = samples, time.monotonic()
+        if self.round_due is not None:
+            # every node stops its inner updates when they are done: once the swarm's samples stop growing, every
+            # node in it is waiting for this round (a node that left stops counting when its record expires)
+            return self.round_due() and (not self.others_present() or time.monotonic() - self._grew_at >= self.settle_s)
+        if samples >= self.target_batch_size and (progress.num_peers > 1 or not self.others_present()):
+            return True
+        return samples > 0 and time.monotonic() - self._grew_at >= self.settle_s
+
+    @property
+    def estimated_next_update_time(self) -> float:
+        # no estimate, so hivemind never pre-schedules a round for a time the bridge's traffic cannot promise
+        return get_dht_time() if self.ready_to_update_epoch else float("inf")
