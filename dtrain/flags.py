@@ -54,9 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def describe(f: dataclasses.Field) -> str:
-    """A flag's help: what it does, then what the node does without it. A boolean flag's default is the flag's
-    absence, so it says what that means (`--no-relay`'s field defaults to True, and "(default True)" after it
-    would read as if the flag were on); a flag with a value shows its default value."""
+    """A flag's help as `--help` prints it: what the flag does, then, for a boolean flag, what the node does without
+    it (its field's default is the flag's absence: "(default True)" after `--no-relay` would read as if the flag
+    were on), and for a flag with a value, its default value."""
     if f.metadata["without"]:
         return f"{f.metadata['help']} (without it: {f.metadata['without']})"
     if f.default in (None, ()):
