@@ -8,16 +8,36 @@ SDISTS := build/sdists
 CHROMIUM := /usr/bin/chromium
 IPTABLES := /usr/sbin/iptables
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+TORCH_VERSION := 2.13.0
+# torch is the CPU build unless a GPU owner names a CUDA build of the same version on the command line, e.g.
+# `make setup TORCH_CUDA=cu128`: it comes from PyTorch's own index for that CUDA version with its local version
+# pinned (torch==2.13.0+cu128), so a name that index lacks fails instead of falling back to another build.
+TORCH_CUDA :=
+ifneq ($(TORCH_CUDA),)
+ifeq ($(filter cu%,$(TORCH_CUDA)),)
+$(error TORCH_CUDA names a CUDA build of torch $(TORCH_VERSION), e.g. TORCH_CUDA=cu128; got "$(TORCH_CUDA)")
+endif
+TORCH_STAMP := $(VENV)/.torch-$(TORCH_CUDA)
+endif
 
 .PHONY: setup node test test-fast bench corpus clean
 
-$(STAMP): pyproject.toml constraints.txt setup.py dtrain/bridge/_dgrd_native.c
-	@echo "==> Python environment in $(VENV): torch (CPU build, about 1 GB) first, then the pinned dependencies"
+# torch first, pinned: anything unpinned would pull a multi-GB CUDA build. A CUDA build that TORCH_CUDA installed
+# is kept (torch 2.13.0+cu128 is torch==2.13.0), here and by every later make without the variable.
+$(STAMP): pyproject.toml constraints.txt setup.py dtrain/bridge/_dgrd_native.c $(TORCH_STAMP)
+	@echo "==> Python environment in $(VENV): torch $(TORCH_VERSION) first, then the pinned dependencies"
 	$(PYTHON) -m venv $(VENV)
-	# torch first, pinned: anything unpinned would pull a multi-GB CUDA build
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[test]' torch==2.13.0
+	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[test]' torch==$(TORCH_VERSION)
 	touch $(STAMP)
+
+# a GPU owner's explicit choice (TORCH_CUDA above): the CUDA build replaces the torch .venv holds
+$(VENV)/.torch-cu%:
+	@echo "==> torch $(TORCH_VERSION), CUDA build $(TORCH_CUDA), from PyTorch's index (a few GB)"
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --index-url https://download.pytorch.org/whl/$(TORCH_CUDA) torch==$(TORCH_VERSION)+$(TORCH_CUDA)
+	rm -f $(VENV)/.torch-cu*
+	touch $@
 
 # the browser pages' npm dependencies (TensorFlow.js), bundled into dtrain/static/vendor/: the node serves them, no CDN
 $(WEB): package.json package-lock.json web/tf.js web/build.mjs

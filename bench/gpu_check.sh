@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one run on a machine that has one (Python 3.12 with torch + CUDA, no network):
 # the `gpu` tests, the CPU tests of what the device touches (with the GPU hidden, so `auto` is the CPU there), and
-# bench/bench_device.py's CPU-vs-GPU table. hivemind and what it needs travel as cp312 wheels in .whl/ (see
-# docs/benchmarks.md, "CPU and GPU"); the C extension is built here for this Python, or numpy does its work.
+# bench/bench_device.py's CPU-vs-GPU table. hivemind and what it needs beyond the machine's packages travel as cp312
+# wheels in .whl/ (ignored by git), each at constraints.txt's version: `pip download --no-deps --only-binary=:all:
+# --python-version 3.12 ...`, and `pip wheel` for those PyPI has only as source (prefetch_generator, varint,
+# python-baseconv). The C extension is built here for this Python, or numpy does its work.
 #
 #     OUT=/some/dir bash bench/gpu_check.sh      # logs and the table land in $OUT
 set -u

@@ -49,10 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["dest"] = dest(f)
             if kwargs.get("action") is None and _value_type(f) is not None:
                 kwargs["type"] = _value_type(f)
-            shown = f.default if f.default not in (None, ()) else None
-            help_text = f.metadata["help"] + (f" (default {_show(shown)})" if shown is not None else "")
-            group.add_argument(f.metadata["flag"], help=help_text, default=None, **kwargs)
+            group.add_argument(f.metadata["flag"], help=describe(f), default=None, **kwargs)
     return p
+
+
+def describe(f: dataclasses.Field) -> str:
+    """A flag's help as `--help` prints it: what the flag does, then, for a boolean flag, what the node does without
+    it (its field's default is the flag's absence: "(default True)" after `--no-relay` would read as if the flag
+    were on), and for a flag with a value, its default value."""
+    if f.metadata["without"]:
+        return f"{f.metadata['help']} (without it: {f.metadata['without']})"
+    if f.default in (None, ()):
+        return f.metadata["help"]
+    return f"{f.metadata['help']} (default {_show(f.default)})"
 
 
 def _show(value: Any) -> str:
@@ -120,12 +129,13 @@ def markdown_table() -> str:
             if f.name == "static_dir":
                 default = "static/"
             shown = "none" if default in (None, ()) else f"`{_show(default)}`"
-            if f.metadata["argparse"].get("action") in ("store_false", "store_true"):
-                shown = ""
+            meaning = f.metadata["help"]
+            if f.metadata["without"]:  # a boolean flag: off unless given
+                shown, meaning = "off", f"{meaning}; without it: {f.metadata['without']}"
             flag = f.metadata["flag"]
             if f.metadata["argparse"].get("metavar"):
                 flag += f" {f.metadata['argparse']['metavar']}"
-            rows.append(f"| `{flag}` | {shown} | {f.metadata['help']} |")
+            rows.append(f"| `{flag}` | {shown} | {meaning} |")
     return "\n".join(rows)
 
 

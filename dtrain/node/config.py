@@ -118,8 +118,8 @@ class SwarmConfig:
     reachability: str = option("auto", "--reachability", "auto: ask the initial peers to dial this node back and "
                                "join as a client-mode peer if none can; public: a full peer; client: a client-mode "
                                "peer (behind NAT, dials out only)", choices=("auto", "public", "client"))
-    relay: bool = option(True, "--no-relay", "use no libp2p relays (default: peers may be dialed through a public "
-                         "peer acting as relay, and a client-mode node looks for one)", action="store_false",
+    relay: bool = option(True, "--no-relay", "use no libp2p relays", without="peers may dial this node through a "
+                         "public peer acting as relay, and a client-mode node looks for one", action="store_false",
                          dest="relay")
 
     # how the swarm syncs (docs/low-communication.md): every update all-reduces the gradient and the optimizer
@@ -208,8 +208,8 @@ class NodeConfig:
     checkpoint_every: int = option(10, "--checkpoint-every", "updates between checkpoints")
     train_data: Optional[str] = option(None, "--train-data",
                                        "local text file: the node trains on it and hands out batches")
-    serve_data: bool = option(True, "--no-data", "hand out no /api/v1/data/batch (without it: batches of "
-                              "--train-data, else of the default corpus, which the node never trains on)",
+    serve_data: bool = option(True, "--no-data", "hand out no /api/v1/data/batch", without="the node hands out "
+                              "batches of --train-data, else of the default corpus, which it never trains on",
                               action="store_false", dest="serve_data")
     local_batch_size: int = option(8, "--local-batch-size", "sequences per local training step")
     local_seq_len: int = option(64, "--local-seq-len", "tokens per sequence of local training and handed-out batches")
@@ -252,8 +252,8 @@ class NodeConfig:
                                         "the median samples contributors claim (a new contributor: 1x until its "
                                         "record agrees with the reference; 0: off)")
     contributor_scoring: bool = option(True, "--no-contributor-scoring", "keep no per-contributor record of "
-                                       "agreement with the reference (default: a persistently disagreeing "
-                                       "contributor is refused with 403, new ones ramp up)",
+                                       "agreement with the reference", without="a persistently disagreeing "
+                                       "contributor is refused with 403, new ones ramp up",
                                        action="store_false", dest="contributor_scoring")
     # memory: accepted packets wait in the node's pool until its training thread takes them (during an update it
     # takes none); many node_ids may pile up packets meanwhile

@@ -26,7 +26,9 @@ class ServeConfig:
     capture_max_rows: int = option(100_000, "--capture-max-rows", "completions kept in the capture db; the oldest "
                                                                   "are dropped beyond it")
     feedback_train: bool = option(False, "--feedback-train", "turn rewarded completions into training "
-                                  "contributions of the shared model", action="store_true", dest="feedback_train")
+                                  "contributions of the shared model", without="rewards are recorded and train "
+                                  "nothing, unless --feedback-lora trains an adapter on them",
+                                  action="store_true", dest="feedback_train")
     feedback_interval_s: float = option(10.0, "--feedback-interval", "seconds between feedback contributions")
     feedback_batch: int = option(16, "--feedback-batch", "rewarded completions per feedback contribution")
     feedback_lora: Optional[str] = option(None, "--feedback-lora", "train the LoRA adapter NAME on rewarded "

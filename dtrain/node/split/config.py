@@ -23,7 +23,8 @@ class SplitConfig:
         (), "--expert", "host a LoRA expert saved by LoraExpert.save / examples/train_expert.py (repeatable)",
         action="append", metavar="NAME=PATH", dest="expert")
     he: bool = option(True, "--no-he", "compute expert deltas in plaintext only (no CKKS keys)",
-                      action="store_false", dest="he")
+                      without="a node that hosts an --expert makes CKKS keys at start and computes the expert's "
+                      "delta under CKKS for a request that sets use_he", action="store_false", dest="he")
     split_model: Optional[str] = option(None, "--split-model", "serve this local transformers causal-LM directory "
                                                                "(frozen) instead of the shared model", metavar="PATH")
     max_frame_bytes: Optional[int] = option(None, "--split-max-frame-bytes", "largest split request, bytes "
