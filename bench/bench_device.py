@@ -37,7 +37,7 @@ from dtrain.node.serve.config import ServeConfig  # noqa: E402
 from dtrain.node.serve.engine import Generation, ServeEngine  # noqa: E402
 from dtrain.node.serve.sampling import SamplingParams  # noqa: E402
 from dtrain.node.serve.weights import FixedWeights  # noqa: E402
-from dtrain.node.swarm.optimizer import make_local_optimizer  # noqa: E402
+from dtrain.node.train.adamw import make_local_optimizer  # noqa: E402
 from dtrain.node.tokenizer import load_tokenizer  # noqa: E402
 from dtrain.node.train.compute import Compute  # noqa: E402
 from dtrain.node.train.gradient import PendingGradient  # noqa: E402

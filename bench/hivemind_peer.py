@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dtrain.node.config import ModelConfig, TrainConfig  # noqa: E402
 from dtrain.node.model import build_model  # noqa: E402
-from dtrain.node.swarm.optimizer import make_local_optimizer  # noqa: E402
+from dtrain.node.train.adamw import make_local_optimizer  # noqa: E402
 
 
 def main() -> None:
