@@ -103,7 +103,7 @@ def build(config: NodeConfig) -> Built:
                         reference_data=own if config.reference_batch > 0 else None,
                         init_params=imported.params if imported is not None else None)
     logger.info(f"Model {model_config.name}: {node.total_params:,} parameters, computed on {node.device.describe()} "
-                f"(fp32 master weights on the CPU); joining the swarm")
+                f"(the swarm's fp32 state on the CPU); joining the swarm")
     node.start()  # on the main thread: hivemind's averagers install signal handlers
     try:
         # one frozen model per published step for every engine that reads it (node.frozen)

@@ -134,3 +134,13 @@ def test_meta_template_holds_no_parameter_memory_and_materializes_tied():
     assert not any(p.is_meta for p in copy_.parameters())
     assert copy_.lm_head.weight is copy_.transformer.wte.weight
     assert [(n, p.shape) for n, p in copy_.named_parameters()] == [(n, p.shape) for n, p in built.named_parameters()]
+
+
+@pytest.mark.parametrize("name,parameters", [("gpt2-small", 124_046_592), ("gpt2-medium", 354_298_880),
+                                             ("gpt2-xl", 1_557_611_200)])
+def test_the_packaged_gpt2_configs_build_their_sizes(name, parameters):
+    """GPT-2's sizes as OpenAI published them (tied embeddings): built on the meta device, no memory taken."""
+    from dtrain.node.model import meta_template
+
+    model = meta_template(ModelConfig.load(REPO / "configs" / f"{name}.json"))
+    assert sum(p.numel() for p in model.parameters()) == parameters

@@ -1,5 +1,5 @@
-"""A node on a CUDA device: it trains with bf16 autocast over fp32 CPU master weights and serves exactly those fp32
-bytes; its gradient points where the CPU's does; the /v1 engine and the split engine on the GPU give the CPU's
+"""A node on a CUDA device: its inner loop trains a resident fp32 copy on the GPU with bf16 autocast and fused AdamW,
+its fp32 CPU master weights take those values once per outer round, and it serves exactly those fp32 bytes; its gradient points where the CPU's does; the /v1 engine and the split engine on the GPU give the CPU's
 logits for the same weights. Skipped, with the reason, on a machine where torch sees no CUDA device."""
 from __future__ import annotations
 
@@ -82,6 +82,11 @@ def test_a_node_on_cuda_trains_and_serves_its_fp32_master_bytes():
     assert node.status().device == {"device": "cuda:0", "name": torch.cuda.get_device_name(0),
                                     "precision": node.device.precision}
     assert all(r.device == CUDA for r in node.compute._replica.parameters())
+    # the inner loop lives on the GPU: its parameters, its fused AdamW's state and the pending gradient
+    assert node.resident and all(t.device == CUDA for t in node.rounds.trained)
+    assert node.rounds.inner.defaults["fused"] is True
+    assert all(v.device == CUDA for per in node.rounds.inner.state.values() for v in per.values() if torch.is_tensor(v))
+    assert node.gradient.device == CUDA and all(s.device == CUDA for s in node.gradient.sums)
     losses = node.losses()
     assert len(losses) >= 5 and all(np.isfinite(losses))
     snap = node.snapshot()

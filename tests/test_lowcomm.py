@@ -372,3 +372,53 @@ def test_the_anchor_shares_the_served_bytes_once_they_are_published():
     assert r.anchor[0].data_ptr() != served[0].ctypes.data  # a copy until the node says it serves them
     r.share_anchor()
     assert r.anchor[0].data_ptr() == served[0].ctypes.data
+
+
+def _lifecycle(resident: bool) -> dict:
+    """Rounds of a node whose inner loop trains the parameters themselves, or a resident copy of them (on a GPU, the
+    device's; here a second copy on the CPU, through the same code): an update that applies the sparse offer, then
+    a download that replaces the parameters and a carried round. What it leaves, as bytes."""
+    torch.manual_seed(5)
+    params = [torch.nn.Parameter(torch.randn(300)), torch.nn.Parameter(torch.randn(20, 10))]
+    for p in params:
+        p.grad = memory.shared_zeros(p.numel()).view_as(p)
+    trained = [torch.nn.Parameter(p.detach().clone()) for p in params] if resident else None
+    inner = torch.optim.AdamW(trained or params, lr=0.01)
+    r = InnerRounds(params, inner, inner_steps=2, fraction=0.25, trained=trained)
+    outer = OuterNesterov(params, lr=0.7, momentum=0.9)
+    seen = {}
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(2):
+        before = [p.detach().clone() for p in params]
+        r.inner_step([torch.randn(p.shape, generator=gen) for p in params])
+        # a resident loop leaves the parameters alone between rounds: nothing crosses per inner update
+        seen["params moved by inner updates"] = any(not torch.equal(b, p.detach()) for b, p in zip(before, params))
+    outer.source = r.begin()
+    seen["offer"] = [o.numpy().tobytes() for o in r.offer(compress=True)]
+    with torch.no_grad():
+        for p, o in zip(params, r.offer()):
+            p.grad.copy_(o)  # the round's average of one member: its own offer
+    outer.step()
+    r.applied()
+    r.settle()
+    r.inner_step([torch.randn(p.shape, generator=gen) for p in params])
+    r.enter_outer()  # a download is about to replace the parameters
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn(p.shape, generator=gen))  # the swarm's bytes, without this node's round
+    r.carry()
+    r.inner_step([torch.randn(p.shape, generator=gen) for p in params])
+    seen["inner"] = [t.numpy().tobytes() for t in r.inner_parameters()]
+    seen["anchor"] = [a.numpy().tobytes() for a in r.anchor]
+    seen["feedback"] = [e.numpy().tobytes() for e in r.feedback]
+    seen["momentum"] = [outer.state[p]["momentum_buffer"].numpy().tobytes() for p in params]
+    r.begin()
+    seen["params at the round"] = [p.detach().numpy().tobytes() for p in params]
+    return seen
+
+
+def test_a_resident_inner_loop_makes_the_same_bytes_and_crosses_only_at_rounds():
+    direct, resident = _lifecycle(False), _lifecycle(True)
+    assert direct["params moved by inner updates"] and not resident["params moved by inner updates"]
+    for key in ("offer", "inner", "anchor", "feedback", "momentum", "params at the round"):
+        assert direct[key] == resident[key], key

@@ -21,13 +21,14 @@ pytestmark = pytest.mark.unit
 TRAIN = TrainConfig(min_nodes_for_update=2)
 
 
-@pytest.fixture(scope="module", params=["low-comm", "per-step"])
+@pytest.fixture(scope="module", params=["low-comm", "low-comm resident", "per-step"])
 def node(request):
-    """A node alone is the spec's single server in either sync mode (low-comm, the default: each inner update is
-    an update)."""
-    config = NodeConfig(swarm=SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), run_id=new_run_id(),
-                                          sync=request.param))
-    node = TrainingNode(config, ModelConfig.load(TINY_CONFIG), TRAIN)
+    """A node alone that only contributors train is the spec's single server in either sync mode (low-comm, the
+    default: each inner update is an update), and so is a low-comm node whose inner loop trains its own copy of the
+    model (on a GPU, the device's; here a second copy on the CPU, through the same code)."""
+    sync, _, resident = request.param.partition(" ")
+    config = NodeConfig(swarm=SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), run_id=new_run_id(), sync=sync))
+    node = TrainingNode(config, ModelConfig.load(TINY_CONFIG), TRAIN, resident=bool(resident))
     node.start()
     try:
         yield node

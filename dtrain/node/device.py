@@ -1,10 +1,11 @@
 """Where the node computes (`--device`), resolved once before anything starts, and the precision it computes at.
 
 The device runs forward and backward passes: the node's training batches and trusted reference gradients, the `/v1`
-engine and split inference. The swarm's state does not move: the fp32 master weights and the optimizer's state stay
-in CPU shared memory, where hivemind's averagers read and write them (docs/spec/NOTES.md, "Device"). On a GPU the
-training passes run under bf16 autocast (where the GPU has bf16; fp32 otherwise): matrix products in bf16, weights
-and gradients fp32. Serving on a GPU is fp32.
+engine and split inference; in low-comm mode the whole inner loop (node.train.compute.Compute.resident). The swarm's
+state does not move: the fp32 master weights and what the swarm shares stay in CPU shared memory, where hivemind's
+averagers read and write them (docs/spec/NOTES.md, "Device"). On a GPU the training passes run under bf16 autocast
+(where the GPU has bf16; fp32 otherwise): matrix products in bf16, weights and gradients fp32. Serving on a GPU is
+fp32.
 """
 from __future__ import annotations
 

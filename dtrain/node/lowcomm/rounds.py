@@ -42,11 +42,14 @@ class InnerRounds:
     def __init__(self, params: Sequence[torch.nn.Parameter], inner: torch.optim.Optimizer, inner_steps: int,
                  fraction: Optional[float] = None,
                  published: Optional[Callable[[], Optional[Sequence[np.ndarray]]]] = None, min_round_s: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, trained: Optional[Sequence[torch.Tensor]] = None):
         """`published`: the fp32 arrays of the snapshot the node serves now (node.snapshot), if any. The anchor is
         the served bytes in the usual case: then it reads them there instead of holding a copy of its own (P).
         `min_round_s`: the round is due once `inner_steps` are done and this long has passed since its first inner
-        update (a fast device makes more inner updates, not more served steps)."""
+        update (a fast device makes more inner updates, not more served steps). `trained`: the device's own copy of
+        `params` (node.train.compute.Compute.resident), which `inner` steps instead: the parameters (hivemind's, on
+        the CPU) take its values when a round begins and give it theirs when the round ends, and nothing else crosses
+        between them."""
         if inner_steps < 1:
             raise ValueError(f"inner steps must be >= 1, got {inner_steps!r}")
         if not min_round_s >= 0:
@@ -56,6 +59,10 @@ class InnerRounds:
         if fraction is not None and not 0.0 < fraction <= 1.0:
             raise ValueError(f"top-k fraction must be in (0, 1], got {fraction!r}")
         self.params = list(params)
+        # the tensors the inner updates move: the parameters themselves, or a resident copy on the training device
+        self.trained = list(trained) if trained is not None else self.params
+        self._resident = trained is not None
+        self._params_behind = False  # resident: inner updates moved `trained` since the parameters last took it
         self.inner = inner
         self.inner_steps = inner_steps
         self._published = published
@@ -113,15 +120,16 @@ class InnerRounds:
         if self.in_outer:
             raise RuntimeError("inner_step() inside an outer round")
         self.share_anchor()
-        buffers = [p.grad for p in self.params]
+        buffers = [p.grad for p in self.trained]
         try:
-            for p, g in zip(self.params, grads):
+            for p, g in zip(self.trained, grads):
                 g = torch.as_tensor(g)
                 p.grad = g.view_as(p) if g.dtype == p.dtype and g.is_contiguous() else g.to(p.dtype).reshape(p.shape)
             self.inner.step()
         finally:
-            for p, buffer in zip(self.params, buffers):
+            for p, buffer in zip(self.trained, buffers):
                 p.grad = buffer
+        self._params_behind = self._resident
         if self.steps == 0:
             self._first_step_at = self._clock()
         self.steps += 1
@@ -156,8 +164,27 @@ class InnerRounds:
     def begin(self) -> "RoundSource":
         """Enter the outer round with the parameters where the inner updates left them; returns what the outer step
         reads of the round (node.lowcomm.outer.OuterNesterov.source). A round in progress goes on."""
+        self._params_take_trained()
         self.in_outer = True
         return self._source
+
+    def _params_take_trained(self) -> None:
+        """Resident: the parameters take the inner updates' values from the device (P across, once per round)."""
+        if not self._params_behind:
+            return
+        with torch.no_grad():
+            for p, q in zip(self.params, self.trained):
+                p.copy_(q)
+        self._params_behind = False
+
+    def _trained_take_params(self) -> None:
+        """Resident: the device's copy takes the parameters' values, where the next inner updates start."""
+        if not self._resident:
+            return
+        with torch.no_grad():
+            for q, p in zip(self.trained, self.params):
+                q.copy_(p)
+        self._params_behind = False
 
     def enter_outer(self) -> None:
         """Before anything replaces the parameters (a download of the swarm's state, a replay of missed rounds): the
@@ -165,6 +192,7 @@ class InnerRounds:
         are aside, or once the outer step moved them (their pseudo-gradient is in .grad then)."""
         if self._inner is not None or self._moved:
             return
+        self._params_take_trained()
         with torch.no_grad():
             self._inner = [p.detach().clone() for p in self.params]
             for a, p in zip(self.anchor, self.params):
@@ -198,6 +226,7 @@ class InnerRounds:
         self.in_outer, self._offer, self._inner = False, None, None
         self._moved, self._applied = set(), False
         self.release_grads()
+        self._trained_take_params()
 
     def settle(self, served: Optional[Sequence[np.ndarray]] = None) -> None:
         """The parameters hold an outer update that applied this node's offer: the next anchor (views of `served`,
@@ -277,6 +306,8 @@ class InnerRounds:
         if i in self._moved:
             raise RuntimeError("the outer step moved this parameter: its pseudo-gradient is in .grad, the inner "
                                "updates' value is gone")
+        if self._params_behind:  # between rounds, resident: on the device (a checkpoint's copy)
+            return self.trained[i].detach().cpu()
         return self.params[i].detach()
 
     def resume(self, saved_anchor: Sequence[torch.Tensor], inner_params: Sequence[torch.Tensor],
@@ -296,6 +327,7 @@ class InnerRounds:
                         e.copy_(f)
                         self._feedback_written = True
         self.steps, self._offer = steps, None
+        self._trained_take_params()
 
 
 def _views_of(arrays: Optional[Sequence[np.ndarray]], like: Sequence[torch.Tensor]) -> Optional[list[torch.Tensor]]:

@@ -43,11 +43,14 @@ def regroup_state_dict(saved: dict, optimizer: torch.optim.Optimizer) -> dict:
 
 
 def make_local_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over `model`'s parameters, where they are: on a GPU the fused kernel (one launch for every tensor)."""
+    cuda = next(model.parameters()).device.type == "cuda"
     optimizer = torch.optim.AdamW(
         decay_groups(model, train.weight_decay),
         lr=train.learning_rate,
         betas=(train.beta1, train.beta2),
         eps=train.eps,
+        fused=True if cuda else None,
     )
     # Give AdamW its (empty) state now. hivemind otherwise creates it with a zero-gradient optimizer step, which
     # applies weight decay to the seeded weights and starts Adam's bias correction one step late. In shared memory
@@ -56,5 +59,7 @@ def make_local_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.op
         for p in group["params"]:
             zeros = (lambda: memory.shared_zeros(p.numel()).view_as(p)) if p.device.type == "cpu" and \
                 p.dtype == torch.float32 else (lambda: torch.zeros_like(p, memory_format=torch.preserve_format))
-            optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": zeros(), "exp_avg_sq": zeros()}
+            # the fused kernel reads its step count on the parameter's device
+            step = torch.zeros((), dtype=torch.float32, device=p.device) if cuda else torch.tensor(0.0)
+            optimizer.state[p] = {"step": step, "exp_avg": zeros(), "exp_avg_sq": zeros()}
     return optimizer

@@ -54,6 +54,21 @@ class PendingGradient:
         self.carried_samples = self.carried_packets = 0
         self._drained_samples = 0  # of the pending ones: already in an inner update (low-communication mode)
         self._drained_local = 0  # of the local ones: already in an inner update
+        self.device = torch.device("cpu")  # where the sums are (`move_to`)
+
+    def move_to(self, device: torch.device) -> None:
+        """The sums live on `device` from now on: where the inner loop trains (a low-comm node's resident replica,
+        node.train.compute), so that a batch's gradient is added where it was computed. Only while nothing is
+        pending, and after hivemind forked its processes (a GPU context is not to be inherited)."""
+        if self.samples or not self._untouched:
+            raise RuntimeError("move_to() with a pending gradient")
+        self.device = torch.device(device)
+        self.sums = [self._zeros(acc.numel()) for acc in self.sums]
+
+    def _zeros(self, elements: int) -> torch.Tensor:
+        if self.device.type == "cpu":  # calloc: no page until written (node.memory.lazy_zeros)
+            return torch.from_numpy(np.zeros(elements, np.float32))
+        return torch.zeros(elements, device=self.device)
 
     def add(self, sums: Sequence, samples: int, loss_sum: float, packets: int = 0, local: bool = False,
             adopt: bool = False) -> None:
@@ -62,7 +77,7 @@ class PendingGradient:
         gradient is added), with the same bytes: x + 0.0 turns a -0.0 into the 0.0 that zeros plus it makes."""
         parts = [torch.as_tensor(part).reshape(-1) for part in sums]
         if adopt and self._untouched and all(
-                part.dtype == torch.float32 and part.is_contiguous() and part.device.type == "cpu" for part in parts):
+                part.dtype == torch.float32 and part.is_contiguous() and part.device == self.device for part in parts):
             for part in parts:
                 part.add_(0.0)
             self.sums = parts
@@ -78,6 +93,13 @@ class PendingGradient:
         them) and their values. Costs what the parts hold: untouched elements are not read."""
         self._untouched = False
         for tid, coords, values in parts:
+            if self.device.type != "cpu":  # the same sums, where the inner loop trains
+                acc, values = self.sums[tid], torch.from_numpy(values).to(self.device)
+                if coords is None:
+                    acc += values
+                else:
+                    acc.index_add_(0, torch.from_numpy(np.asarray(coords, np.int64)).to(self.device), values)
+                continue
             acc = self.sums[tid].numpy()  # the same memory
             if coords is None:
                 acc += values
@@ -115,7 +137,7 @@ class PendingGradient:
         so an empty pending gradient holds no memory (P) once the taken sums are dropped. Private memory: made after
         hivemind's processes forked, they are shared with nobody (a shared file per tensor, made and punched out
         at every inner update, cost a lone node an eighth of its time)."""
-        taken, self.sums = self.sums, [memory.lazy_zeros(acc) for acc in self.sums]
+        taken, self.sums = self.sums, [self._zeros(acc.numel()) for acc in self.sums]
         self._untouched = True
         return taken
 

@@ -153,7 +153,7 @@ class LowCommLoop:
         """The round in progress, for a checkpoint (node.checkpoint): what a restarted node needs to go on with it."""
         rounds = self.node.rounds
         return RoundState(inner_params=rounds.inner_parameters(), feedback=rounds.feedback, steps=rounds.steps,
-                          inner_optimizer_state=rounds.inner.state_dict())
+                          inner_optimizer_state=_on_cpu(rounds.inner.state_dict()))
 
     def resume(self, restored: Checkpoint) -> None:
         """A restarted node's round from its checkpoint (checked against the model by checkpoint.check_fits):
@@ -167,3 +167,11 @@ class LowCommLoop:
         rounds.resume(saved_anchor, saved.inner_params, saved.feedback, saved.steps)
         logger.info(f"Resumed the round in progress: {saved.steps} inner updates"
                     + (", with error feedback" if saved.feedback is not None else ""))
+
+
+def _on_cpu(state: dict) -> dict:
+    """An optimizer's state_dict with its tensors on the CPU (a resident inner AdamW's are on the device); loading it
+    puts them back where the parameters are."""
+    return {"state": {i: {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in per.items()}
+                      for i, per in state["state"].items()},
+            "param_groups": state["param_groups"]}

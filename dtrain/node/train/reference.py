@@ -61,8 +61,8 @@ def compute(model: torch.nn.Module | Compute, tokens: np.ndarray, step: int) -> 
     params = list(runner.master.parameters())
     loss, grads = runner.loss_and_grads(tokens, allow_unused=True)  # .grad belongs to the optimizer
     # copies: a GPU pass's gradients are views of a buffer its next pass overwrites, and a reference lasts a step
-    flat = tuple(np.array((torch.zeros(p.numel()) if g is None else g.detach().reshape(-1)).numpy(), dtype=np.float32)
-                 for g, p in zip(grads, params))
+    flat = tuple(np.array((torch.zeros(p.numel()) if g is None else g.detach().reshape(-1).cpu()).numpy(),
+                          dtype=np.float32) for g, p in zip(grads, params))
     norm = float(np.sqrt(sum(float(np.dot(g.astype(np.float64), g)) for g in flat)))
     return Reference(step, flat, norm, float(loss.item()), time.perf_counter() - started)
 

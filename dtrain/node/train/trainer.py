@@ -112,10 +112,14 @@ class TrainingNode:
 
     def __init__(self, config: NodeConfig, model_config: ModelConfig, train_config: TrainConfig,
                  dataset: Optional[TokenDataset] = None, ledger: Optional[ContributorLedger] = None,
-                 reference_data: Optional[TokenDataset] = None, init_params: Optional[dict] = None):
+                 reference_data: Optional[TokenDataset] = None, init_params: Optional[dict] = None,
+                 resident: Optional[bool] = None):
         """`reference_data`: the node's own text for the trusted reference (train/reference.py), `dataset` or the
         packaged corpus; None (or --reference-batch 0): no reference. `init_params`: the weights a new swarm starts
-        from (--init-from) instead of the seeded ones; a joiner takes the swarm's state whatever it started with."""
+        from (--init-from) instead of the seeded ones; a joiner takes the swarm's state whatever it started with.
+        `resident`: a low-comm node's inner loop trains its own copy of the model on the device (parameters,
+        gradients, AdamW state), and the master takes its values once per outer round (node.lowcomm.rounds); None:
+        on a GPU. On the CPU it is the same code over a second copy in memory, which only tests ask for."""
         self.config, self.model_config, self.train_config = config, model_config, train_config
         self.dataset = dataset
         self.device = resolve_device(config.device)  # ConfigError before anything starts
@@ -141,6 +145,7 @@ class TrainingNode:
         self.ledger = ledger if ledger is not None else ContributorLedger(
             scoring=ScoringConfig(enabled=config.contributor_scoring))
         self.low_comm = config.swarm.sync == "low-comm"
+        self.resident = self.low_comm and (self.device.is_cuda if resident is None else resident)
         # the all-reduce deadline: sized for the bytes of a round, kept from each round's measured throughput
         self.swarm_config, deadlines, sizes = swarm_deadlines(config.swarm, self.total_params)
         self.round_clock = RoundClock(deadlines, sizes)
@@ -282,7 +287,10 @@ class TrainingNode:
         if self.low_comm:  # hivemind wraps the outer step; the inner AdamW is this node's own
             inner, local_opt = local_opt, OuterNesterov(self.model.parameters(), lr=cfg.swarm.outer_lr,
                                                         momentum=cfg.swarm.outer_momentum)
-            keep_state_shared(inner)  # hivemind forks its processes after this (node.memory)
+            if self.resident:
+                inner = None  # made on the device once hivemind forked its processes, below
+            else:
+                keep_state_shared(inner)  # hivemind forks its processes after this (node.memory)
         if restored is not None and restored.model_config is not None and \
                 restored.model_config.architecture() != self.model_config.architecture():
             raise ConfigError(f"the checkpoint in {cfg.checkpoint_dir} holds a model of shape "
@@ -335,8 +343,15 @@ class TrainingNode:
                 self._first_state = "download"
         if self.low_comm:
             fraction = cfg.swarm.topk_fraction if cfg.swarm.wire_codec == "sparse" else None
+            trained = None
+            if self.resident:  # the inner loop on the device: its own copy of the model, its AdamW, its gradient
+                replica = self.compute.resident()
+                trained, inner = list(replica.parameters()), make_local_optimizer(replica, self.train_config)
+                self.gradient.move_to(self.compute.grads_device)
+                logger.info(f"The inner loop trains on {self.device.describe()}; the parameters on the CPU take its "
+                            f"values once per outer round")
             self.rounds = InnerRounds(list(self.model.parameters()), inner, cfg.swarm.inner_steps, fraction,
-                                      published=self._served_f32, min_round_s=self._min_round_s())
+                                      published=self._served_f32, min_round_s=self._min_round_s(), trained=trained)
             if fraction is not None:  # every node computes the same outer step: a node behind may replay rounds
                 self.catchup = CatchUp(swarm, self.agreement, self.model, fraction, cfg.swarm.link_mbit)
                 if cfg.swarm.state_donors > 0 and not swarm.client_mode:  # nobody can dial a client-mode peer
