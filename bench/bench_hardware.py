@@ -1,0 +1,545 @@
+"""How fast a real `dtrain-node` trains next to a plain PyTorch loop on the same hardware: prints one markdown table.
+
+For each model config and batch shape, one after the other on this machine:
+
+1. plain: the loop a PyTorch user would write. The model the node builds (node.model.build_model), batches of
+   --batch sequences of --seq-len tokens drawn as the node draws them (TokenDataset.batch over the same text,
+   tokenized as the node tokenizes its --train-data), torch.optim.AdamW with the node's parameter groups and
+   settings (swarm.optimizer.decay_groups, static/train_config.json), loss.backward(), step(),
+   zero_grad(set_to_none=True). On a GPU: bf16 autocast (where the node uses it) and fused AdamW. A few steps warm
+   up, then steps run until --window seconds are up; samples/s is steps x batch over the timed steps' wall time
+   (CUDA synchronized before and after).
+2. node alone: one `python -m dtrain.cli` process of the tree this bench lives in (PYTHONPATH set to it), default
+   flags except the model, the text (--train-data), the batch shape, the device, the --sync mode, a free --port and
+   a run id of its own, listening on 127.0.0.1 only. After it printed its join hint, it warms up for --warmup seconds
+   and until its first update; then its `/api/v1/swarm/status` is read twice, --window seconds apart. The samples it
+   trained are applied_samples + pending_samples (pending: trained, not yet applied by an (outer) update; an update
+   moves them to applied, so the sum only grows); samples/s is the difference over the time between the reads.
+3. two nodes: node A as above until its first update, then node B with A's printed multiaddrs as --initial-peers
+   and the same flags. The window opens once B has made an update of the swarm since it answered, A trained since B
+   was ready, and --warmup seconds went by since then; the swarm's samples/s is the sum of both nodes' differences
+   over the same window. The ratio is to ONE plain loop: the two nodes share this machine's cores.
+
+tokens/s is samples/s x the sequence length. The last column is the CPU time per second of the window of what
+was measured (the bench's process, the nodes' process trees) and of every other process on the machine (from
+/proc/stat): a row measured while other work was running is low, and says so. Before each window the bench waits
+(at most --quiet-wait seconds) for other processes to go quiet. Each row's counts, updates and group sizes in the
+window go to stderr as it runs; the nodes' logs are kept in a temporary directory when a node fails (its last
+lines are printed).
+
+Heavy: run it alone on the machine, under the lock, e.g.
+    flock /tmp/dtrain-heavy.lock .venv/bin/python bench/bench_hardware.py --device cpu --configs default \\
+        --window 40 --runs alone swarm --modes low-comm
+    .venv/bin/python bench/bench_hardware.py [--configs default configs/gpt2-small.json] [--device cpu|cuda|auto]
+        [--shapes 8x64 16x512] [--modes low-comm per-step] [--runs alone swarm] [--window 60] [--warmup 30]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from dtrain.node.assets import tokenizer_files  # noqa: E402
+from dtrain.node.config import DEFAULT_STATIC_DIR, ModelConfig, TrainConfig  # noqa: E402
+from dtrain.node.corpus import default_text  # noqa: E402
+from dtrain.node.data import TokenDataset  # noqa: E402
+from dtrain.node.device import Device, resolve  # noqa: E402
+from dtrain.node.model import build_model  # noqa: E402
+from dtrain.node.swarm.optimizer import decay_groups  # noqa: E402
+from dtrain.node.tokenizer import load_tokenizer  # noqa: E402
+
+JOIN_HINT = "Join it from another machine with"
+MADDR_RE = re.compile(r"^\s+(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\S+)\s*$")
+UPDATE_RE = re.compile(r"update (\d+): (\d+) samples.*?; \d+ packets, (\d+) peers, took ([\d.]+)s")
+PLAIN_WARMUP_STEPS = 3
+T_START = time.monotonic()
+
+
+def say(msg: str) -> None:
+    print(f"[{time.monotonic() - T_START:6.0f}s] {msg}", file=sys.stderr, flush=True)
+
+
+class NodeFailed(RuntimeError):
+    pass
+
+
+# ---- the plain loop ----------------------------------------------------------------------------------------------
+
+def plain_loop(config: ModelConfig, device: Device, data: TokenDataset, batch: int, seq_len: int,
+               window_s: float) -> dict:
+    train = TrainConfig.load(DEFAULT_STATIC_DIR / "train_config.json")  # what the node loads by default
+    model = build_model(config).to(device.torch_device)  # eval mode, as the node's (dropout is 0 anyway)
+    extra = {"fused": True} if device.is_cuda else {}
+    opt = torch.optim.AdamW(decay_groups(model, train.weight_decay), lr=train.learning_rate,
+                            betas=(train.beta1, train.beta2), eps=train.eps, **extra)
+    rng = np.random.default_rng(0)
+
+    def sync():
+        if device.is_cuda:
+            torch.cuda.synchronize(device.torch_device)
+
+    def step():
+        x = torch.from_numpy(data.batch(batch, seq_len, rng).astype(np.int64)).to(device.torch_device)
+        with device.autocast():
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    try:
+        for _ in range(PLAIN_WARMUP_STEPS):
+            step()
+        sync()
+        steps, started, cpu0, all0 = 0, time.perf_counter(), time.process_time(), machine_cpu_seconds()
+        while True:
+            loss = step()
+            steps += 1
+            if time.perf_counter() - started >= window_s:
+                break
+        sync()
+        wall = time.perf_counter() - started
+        return {"samples_s": steps * batch / wall, "steps": steps, "wall": wall, "loss": loss.item(),
+                "cores": (time.process_time() - cpu0) / wall,
+                "others": (machine_cpu_seconds() - all0 - (time.process_time() - cpu0)) / wall}
+    finally:
+        del model, opt
+        gc.collect()
+        if device.is_cuda:
+            torch.cuda.empty_cache()
+
+
+# ---- real nodes --------------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid's descendants (children first listed last), from /proc/*/stat."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [p for p, pp in parents.items() if pp in frontier]
+        found += frontier
+    return found
+
+
+def cpu_seconds(pids) -> float:
+    """User + system CPU time of these processes, every thread (/proc/PID/stat); gone ones count 0."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def machine_cpu_seconds() -> float:
+    """CPU seconds every core of this machine spent busy since boot (/proc/stat: all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_quiet(nodes: list, max_wait_s: float, busy_cores: float = 0.3, sample_s: float = 3.0) -> None:
+    """Wait (at most max_wait_s) until the processes other than this one and the nodes' trees use under
+    `busy_cores` of the machine over `sample_s`: a window is not opened while other work runs, if it can be helped."""
+    def ours() -> float:
+        return cpu_seconds([n.proc.pid for n in nodes] + [p for n in nodes for p in process_tree(n.proc.pid)])
+
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        all0, mine0, ours0, t0 = machine_cpu_seconds(), time.process_time(), ours(), time.monotonic()
+        time.sleep(sample_s)
+        for node in nodes:
+            node.alive()
+        others = (machine_cpu_seconds() - all0 - (time.process_time() - mine0) - ours() + ours0) / (
+            time.monotonic() - t0)
+        if others < busy_cores:
+            return
+        if time.monotonic() >= deadline:
+            say(f"  other processes still use {others:.2f} cores after {max_wait_s:.0f}s of waiting: timing anyway")
+            return
+        say(f"  other processes use {others:.2f} cores: waiting for the machine to be quiet")
+
+
+def is_shm_manager(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip() == "torch_shm_manag"
+    except OSError:
+        return False
+
+
+class Node:
+    """One `python -m dtrain.cli` process of this tree; its output is kept, with the time each line came."""
+
+    def __init__(self, name: str, args: list[str], run_id: str, workdir: Path, initial_peers: tuple = ()):
+        self.name, self.port = name, free_port()
+        argv = [sys.executable, "-m", "dtrain.cli", "--host", "127.0.0.1", "--port", str(self.port),
+                "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-id", run_id, *args]
+        if initial_peers:
+            argv += ["--initial-peers", *initial_peers]
+        self.argv = argv
+        path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+        self.log_path = workdir / f"{run_id}-{name}.log"
+        self.lines: list[tuple[float, str]] = []
+        self._lock = threading.Lock()
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(argv, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"})
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        with open(self.log_path, "w") as log:
+            for line in self.proc.stdout:
+                log.write(line)
+                log.flush()
+                with self._lock:
+                    self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def output(self, since: float = 0.0, until: float = float("inf")) -> list[str]:
+        with self._lock:
+            return [line for t, line in self.lines if since <= t <= until]
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(self.output()[-n:])
+
+    def alive(self) -> None:
+        if self.proc.poll() is not None:
+            time.sleep(0.5)  # the reader takes its last lines
+            raise NodeFailed(f"node {self.name} exited with {self.proc.returncode}")
+
+    def status(self, timeout_s: float = 10.0) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/api/v1/swarm/status", timeout=timeout_s) as r:
+            return json.loads(r.read())
+
+    def trained(self) -> tuple[int, float, dict]:
+        """(applied + pending samples, when, the status): the smaller of two reads 0.1 s apart. The bridge reads the
+        training thread's counters without a lock, and an update moves its samples from pending to applied in two
+        statements: a read between them counts them twice, and the next read is then smaller."""
+        reads = []
+        for _ in range(2):
+            s = self.status()
+            reads.append((s["applied_samples"] + s["pending_samples"], time.monotonic(), s))
+            time.sleep(0.1)
+        return min(reads, key=lambda r: r[0])
+
+    def wait_ready(self, timeout_s: float) -> list[str]:
+        deadline = time.monotonic() + timeout_s
+        while not any(JOIN_HINT in line for line in self.output()):
+            self.alive()
+            if time.monotonic() > deadline:
+                raise NodeFailed(f"node {self.name} printed no join hint in {timeout_s:.0f}s")
+            time.sleep(0.2)
+        while True:  # the bridge listens right after the hint
+            try:
+                self.status()
+                break
+            except OSError:
+                self.alive()
+                if time.monotonic() > deadline:
+                    raise NodeFailed(f"node {self.name}'s status did not answer in {timeout_s:.0f}s")
+                time.sleep(0.2)
+        return [m.group(1) for line in self.output() if (m := MADDR_RE.match(line))]
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM, then (if it hangs) SIGKILL for it and its children, except torch's shm manager, which unlinks
+        the node's shared memory once its clients are gone and exits by itself."""
+        self.terminate()
+        try:
+            self.proc.wait(max(timeout_s, 0.1))
+            return
+        except subprocess.TimeoutExpired:
+            say(f"node {self.name} ignored SIGTERM: killing it and its children")
+        for pid in reversed(process_tree(self.proc.pid)):
+            if not is_shm_manager(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def wait_for(what: str, predicate, nodes: list[Node], timeout_s: float, interval_s: float = 1.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for node in nodes:
+            node.alive()
+        try:
+            value = predicate()
+        except OSError as e:  # a status read that timed out on a busy machine: asked again
+            say(f"  (status read failed: {e}; trying again)")
+            value = None
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise NodeFailed(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def window(nodes: list[Node], window_s: float, quiet_wait_s: float) -> list[dict]:
+    """Each node's samples trained over the same --window seconds (two status reads), with its updates in between."""
+    wait_quiet(nodes, quiet_wait_s)
+    first = [node.trained() for node in nodes]
+    cpu0 = [cpu_seconds([n.proc.pid, *process_tree(n.proc.pid)]) for n in nodes]
+    all0, mine0 = machine_cpu_seconds(), time.process_time()
+    opened = time.monotonic()
+    while time.monotonic() - opened < window_s:
+        for node in nodes:
+            node.alive()
+        time.sleep(min(0.5, max(0.0, window_s - (time.monotonic() - opened))))
+    cpu1 = [cpu_seconds([n.proc.pid, *process_tree(n.proc.pid)]) for n in nodes]
+    cpu_wall = time.monotonic() - opened
+    others = (machine_cpu_seconds() - all0 - (time.process_time() - mine0) - sum(cpu1) + sum(cpu0)) / cpu_wall
+    last = [node.trained() for node in nodes]
+    out = []
+    for node, (c0, t0, s0), (c1, t1, s1), u0, u1 in zip(nodes, first, last, cpu0, cpu1):
+        groups = [int(m.group(3)) for line in node.output(t0, t1) if (m := UPDATE_RE.search(line))]
+        out.append({"name": node.name, "samples": c1 - c0, "seconds": t1 - t0, "samples_s": (c1 - c0) / (t1 - t0),
+                    "updates": s1["updates"] - s0["updates"], "groups": groups, "peers": s1.get("training_peers"),
+                    "carried": s1["carried_samples"] - s0["carried_samples"], "cores": (u1 - u0) / cpu_wall,
+                    "others": others})
+    return out
+
+
+@dataclass
+class NodeRun:
+    model_config: Path
+    text: Path
+    batch: int
+    seq_len: int
+    device: str
+    mode: str
+    window_s: float
+    warmup_s: float
+    ready_timeout_s: float
+    quiet_wait_s: float
+    workdir: Path
+    failures: list = field(default_factory=list)
+
+    def args(self) -> list[str]:
+        return ["--model-config", str(self.model_config), "--train-data", str(self.text),
+                "--local-batch-size", str(self.batch), "--local-seq-len", str(self.seq_len),
+                "--device", self.device, "--sync", self.mode]
+
+    def run(self, kind: str) -> Optional[list[dict]]:
+        run_id, nodes = f"bench-hw-{uuid.uuid4().hex[:8]}", []
+        try:
+            nodes.append(a := Node("A", self.args(), run_id, self.workdir))
+            say(f"  node A started (port {a.port}): {shlex.join(a.argv[1:])}")
+            maddrs = a.wait_ready(self.ready_timeout_s)
+            ready = time.monotonic()
+            say(f"  node A ready after {ready - a.started:.0f}s; warming up")
+            wait_for("A's first update", lambda: a.status()["updates"] >= 1, nodes, self.ready_timeout_s)
+            if kind == "alone":
+                rest = self.warmup_s - (time.monotonic() - ready)
+                if rest > 0:
+                    wait_for(f"{self.warmup_s:.0f}s of warm-up", lambda: time.monotonic() - ready >= self.warmup_s,
+                             nodes, rest + 5)
+            else:
+                if not maddrs:
+                    raise NodeFailed("node A printed no 127.0.0.1 multiaddr")
+                nodes.append(b := Node("B", self.args(), run_id, self.workdir, initial_peers=tuple(maddrs)))
+                say(f"  node B started (port {b.port}), --initial-peers {' '.join(maddrs)}")
+                b.wait_ready(self.ready_timeout_s)
+                joined = time.monotonic()
+                b_updates, b_count, a_count = b.status()["updates"], b.trained()[0], a.trained()[0]
+                say(f"  node B ready after {joined - b.started:.0f}s (at update {b_updates}); waiting for both to "
+                    f"train and {self.warmup_s:.0f}s of warm-up")
+
+                def both_training():  # an update of B's (a download moves its updates too) and samples of both
+                    return (b.status()["updates"] > b_updates and b.trained()[0] > b_count
+                            and a.trained()[0] > a_count and time.monotonic() - joined >= self.warmup_s)
+                wait_for("an update of B's since it answered, both training, and the warm-up", both_training, nodes,
+                         self.ready_timeout_s + self.warmup_s)
+            say(f"  window of {self.window_s:.0f}s opens")
+            return window(nodes, self.window_s, self.quiet_wait_s)
+        except (NodeFailed, OSError, KeyError, ValueError) as e:
+            say(f"  FAILED: {e}")
+            self.failures.append(f"{kind} {self.mode}: {e}")
+            for node in nodes:
+                say(f"  --- node {node.name}'s last lines ({node.log_path}) ---\n{node.tail()}")
+            return None
+        finally:
+            for node in nodes:  # SIGTERM to every node at once, then up to 30 s for them all
+                node.terminate()
+            deadline = time.monotonic() + 30.0
+            for node in nodes:
+                node.stop(deadline - time.monotonic())
+            say(f"  {'node' if len(nodes) == 1 else 'nodes'} stopped")
+
+
+# ---- main --------------------------------------------------------------------------------------------------------
+
+def shape(text: str) -> tuple[int, int]:
+    try:
+        b, s = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a shape is BATCHxSEQ_LEN, e.g. 8x64; got {text!r}") from None
+    if b < 1 or s < 2:
+        raise argparse.ArgumentTypeError(f"batch must be >= 1 and seq len >= 2, got {text!r}")
+    return b, s
+
+
+def config_path(text: str) -> Path:
+    if text == "default":
+        return DEFAULT_STATIC_DIR / "model_config.json"
+    path = Path(text)
+    return (path if path.is_absolute() or path.exists() else REPO / path).resolve()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", nargs="+", default=["default", "configs/gpt2-small.json"],
+                    help="model config JSONs; 'default' is the node's default model (static/model_config.json)")
+    ap.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (a CUDA GPU when torch sees one)")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per local batch (--local-batch-size)")
+    ap.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (--local-seq-len)")
+    ap.add_argument("--shapes", nargs="+", type=shape, help="several BATCHxSEQ_LEN shapes (instead of --batch and "
+                                                            "--seq-len), e.g. 8x64 16x512")
+    ap.add_argument("--modes", nargs="+", choices=["low-comm", "per-step"], default=["low-comm"],
+                    help="--sync of the node rows")
+    ap.add_argument("--runs", nargs="+", choices=["alone", "swarm"], default=["alone", "swarm"],
+                    help="node rows: one node alone, two nodes on 127.0.0.1")
+    ap.add_argument("--text", type=Path, help="text file to train on (default: the packaged corpus, written to a "
+                                              "temporary file for the nodes' --train-data)")
+    ap.add_argument("--window", type=float, default=60.0, help="timed seconds of each row")
+    ap.add_argument("--warmup", type=float, default=30.0, help="node rows: seconds after ready (or after B joined) "
+                                                               "before the window, and at least until an update")
+    ap.add_argument("--ready-timeout", type=float, default=300.0,
+                    help="seconds a node may take to be ready, to make its first update, or B to update with A")
+    ap.add_argument("--quiet-wait", type=float, default=60.0,
+                    help="seconds to wait, before each timed window, for other processes on the machine to use under "
+                         "0.3 cores (then it is timed anyway; the table shows how busy they were)")
+    args = ap.parse_args()
+    shapes = args.shapes or [(args.batch, args.seq_len)]
+
+    print("$ " + shlex.join([sys.executable, *sys.argv]), flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # killed (a timeout): the finally blocks stop the nodes
+    device = resolve(args.device)
+    node_device = str(device.torch_device)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, {os.cpu_count()} cores, load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; device {device.describe()}; code: {REPO}", flush=True)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-hw-"))
+    rows, failures = [], []
+    started = time.monotonic()
+    try:
+        if args.text is None:
+            text = workdir / "corpus.txt"
+            say("writing the packaged corpus as text (the nodes' --train-data)")
+            text.write_text(default_text(), encoding="utf-8")
+        else:
+            text = args.text.resolve()
+        tokenizer = load_tokenizer(tokenizer_files(DEFAULT_STATIC_DIR))  # what the node tokenizes --train-data with
+        data = TokenDataset.from_text_file(text, tokenizer)
+        say(f"text {text}: {len(data):,} tokens")
+        for path in map(config_path, args.configs):
+            config = ModelConfig.load(path)
+            name = "default" if path == config_path("default") else path.stem
+            for batch, seq_len in shapes:
+                seq = min(seq_len, config.max_seq_len)  # what the node trains on (TrainingNode._local_batch)
+                label = f"{batch}x{seq}"
+                t0 = time.monotonic()
+                say(f"{name} {label} on {node_device}: plain loop, {PLAIN_WARMUP_STEPS} warm-up steps and "
+                    f"{args.window:.0f}s")
+                wait_quiet([], args.quiet_wait)
+                plain = plain_loop(config, device, data, batch, seq, args.window)
+                say(f"  plain: {plain['steps']} steps in {plain['wall']:.1f}s, {plain['samples_s']:.2f} samples/s, "
+                    f"last loss {plain['loss']:.3f}, {plain['cores']:.2f} cores busy (other processes: "
+                    f"{plain['others']:.2f}), load average {os.getloadavg()[0]:.2f} ({time.monotonic() - t0:.0f}s)")
+                base = plain["samples_s"]
+                rows.append((name, device.describe(), label, "–", "plain", base, seq, base, plain["cores"],
+                             plain["others"]))
+                for mode in args.modes:
+                    for kind in args.runs:
+                        t0 = time.monotonic()
+                        what = "node alone" if kind == "alone" else "two nodes"
+                        say(f"{name} {label} on {node_device}, {mode}: {what}")
+                        runner = NodeRun(path, text, batch, seq_len, node_device, mode, args.window, args.warmup,
+                                         args.ready_timeout, args.quiet_wait, workdir)
+                        per_node = runner.run(kind)
+                        failures += runner.failures
+                        if per_node is None:
+                            rows.append((name, device.describe(), label, mode, what, None, seq, base, None, None))
+                            continue
+                        for n in per_node:
+                            together = sum(1 for g in n["groups"] if g > 1)
+                            say(f"  {n['name']}: {n['samples']} samples in {n['seconds']:.1f}s = "
+                                f"{n['samples_s']:.2f}/s; {n['updates']} updates in the window ({together} of them "
+                                f"logged with a group of 2+ peers), training_peers {n['peers']}, carried "
+                                f"{n['carried']} samples, {n['cores']:.2f} cores busy (its process tree)")
+                        rate = sum(n["samples_s"] for n in per_node)
+                        cores = sum(n["cores"] for n in per_node)
+                        say(f"  {what}: {rate:.2f} samples/s, {rate / base:.2f}x the plain loop, load average "
+                            f"{os.getloadavg()[0]:.2f} ({time.monotonic() - t0:.0f}s)")
+                        rows.append((name, device.describe(), label, mode, what, rate, seq, base, cores,
+                                     per_node[0]["others"]))
+    finally:
+        print(f"\n{len(rows)} rows in {time.monotonic() - started:.0f}s; window {args.window:.0f}s, warm-up "
+              f"{args.warmup:.0f}s\n")
+        print("| config | device | shape | mode | run | samples/s | tokens/s | ratio to plain | cores busy: "
+              "measured / other processes |")
+        print("|---|---|---|---|---|---:|---:|---:|---:|")
+        for name, where, label, mode, what, rate, seq, base, cores, others in rows:
+            if rate is None:
+                print(f"| {name} | {where} | {label} | {mode} | {what} | failed | | | |")
+            else:
+                print(f"| {name} | {where} | {label} | {mode} | {what} | {rate:.2f} | {rate * seq:,.0f} | "
+                      f"{rate / base:.2f}x | {cores:.2f} / {others:.2f} |")
+        print(f"\ncores busy: CPU seconds per second of the window, of what was measured (the bench's process for "
+              f"plain, the nodes' process trees) and of every other process on this machine ({os.cpu_count()} "
+              f"cores; /proc/stat); a row with other processes busy is low. Load average at the end: "
+              f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}.")
+        for failure in failures:
+            print(f"\nfailed: {failure}")
+        if failures:
+            print(f"\nthe nodes' logs: {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
