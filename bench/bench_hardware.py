@@ -67,7 +67,7 @@ from dtrain.node.corpus import default_text  # noqa: E402
 from dtrain.node.data import TokenDataset  # noqa: E402
 from dtrain.node.device import Device, resolve  # noqa: E402
 from dtrain.node.model import build_model  # noqa: E402
-from dtrain.node.swarm.optimizer import decay_groups  # noqa: E402
+from dtrain.node.train.adamw import decay_groups  # noqa: E402
 from dtrain.node.tokenizer import load_tokenizer  # noqa: E402
 
 JOIN_HINT = "Join it from another machine with"
