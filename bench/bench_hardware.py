@@ -5,7 +5,7 @@ For each model config and batch shape, one after the other on this machine:
 1. plain: the loop a PyTorch user would write. The model the node builds (node.model.build_model), batches of
    --batch sequences of --seq-len tokens drawn as the node draws them (TokenDataset.batch over the same text,
    tokenized as the node tokenizes its --train-data), torch.optim.AdamW with the node's parameter groups and
-   settings (swarm.optimizer.decay_groups, static/train_config.json), loss.backward(), step(),
+   settings (train.adamw.decay_groups, static/train_config.json), loss.backward(), step(),
    zero_grad(set_to_none=True). On a GPU: bf16 autocast (where the node uses it) and fused AdamW. A few steps warm
    up, then steps run until --window seconds are up; samples/s is steps x batch over the timed steps' wall time
    (CUDA synchronized before and after).
