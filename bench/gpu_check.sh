@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one run on a machine that has one (Python 3.12 with torch + CUDA, no network):
-# the `gpu` tests, the CPU tests of what the device touches (with the GPU hidden, so `auto` is the CPU there), and
-# bench/bench_device.py's CPU-vs-GPU table. hivemind and what it needs beyond the machine's packages travel as cp312
+# the `gpu` tests, the CPU tests of what the device touches (with the GPU hidden, so `auto` is the CPU there),
+# bench/bench_device.py's CPU-vs-GPU table and bench/bench_hardware.py's node-against-a-plain-loop rows. hivemind and what it needs beyond the machine's packages travel as cp312
 # wheels in .whl/ (ignored by git), each at constraints.txt's version: `pip download --no-deps --only-binary=:all:
 # --python-version 3.12 ...`, and `pip wheel` for those PyPI has only as source (prefetch_generator, varint,
 # python-baseconv). The C extension is built here for this Python, or numpy does its work.
@@ -39,6 +39,16 @@ timeout 150 "${PYTEST[@]}" -m gpu tests/test_device_gpu.py -v >"$OUT/gpu_tests.l
 echo "gpu tests: rc $?"; tail -15 "$OUT/gpu_tests.log"
 
 timeout 170 python3 bench/bench_device.py 2>&1 | grep -v "loss_type" | tee "$OUT/bench_device.md"
+
+# a node against a plain loop on the GPU (bench/bench_hardware.py): the rows docs/benchmarks.md keeps, each line
+# bounded on its own so that what finished is kept (about 10 minutes in all: drop lines to fit a shorter lease)
+HW=(python3 bench/bench_hardware.py --device cuda --window 30 --warmup 20 --quiet-wait 0)
+timeout 240 "${HW[@]}" --configs configs/gpt2-small.json --shapes 8x64 --runs alone swarm \
+  2>"$OUT/hw_small.err" | tee "$OUT/hw_small.md"
+timeout 240 "${HW[@]}" --configs configs/gpt2-small.json configs/gpt2-medium.json --shapes 16x512 --runs alone \
+  2>"$OUT/hw_16x512.err" | tee "$OUT/hw_16x512.md"
+timeout 200 "${HW[@]}" --configs configs/gpt2-xl.json --shapes 8x512 --runs alone \
+  2>"$OUT/hw_xl.err" | tee "$OUT/hw_xl.md"
 
 CUDA_VISIBLE_DEVICES= timeout 80 "${PYTEST[@]}" tests/test_device.py tests/test_trainer.py tests/test_serve_engine.py \
   tests/test_split_engine.py tests/test_reference.py >"$OUT/cpu_tests.log" 2>&1
