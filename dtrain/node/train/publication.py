@@ -94,15 +94,13 @@ class StepPublisher:
         else:
             logger.info(f"update {outcome.epoch} went without this node's gradient (peer {verdict.reference}'s "
                         f"bytes); carrying {self.gradient.samples} samples into the next update")
-        if snap is None:
-            return False
         self.last_update_s = took_s
         for callback in self._update_listeners:
             try:
                 callback(took_s)
             except Exception as e:
                 logger.exception(f"update listener failed: {e}")
-        return True
+        return snap is not None
 
     # ---- serving a step --------------------------------------------------------------------------------------
 
