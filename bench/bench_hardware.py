@@ -43,7 +43,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -68,6 +67,9 @@ from dtrain.node.data import TokenDataset  # noqa: E402
 from dtrain.node.device import Device, resolve  # noqa: E402
 from dtrain.node.model import build_model  # noqa: E402
 from dtrain.node.train.adamw import decay_groups  # noqa: E402
+from bench_memory import tree  # noqa: E402  (bench/ is this script's folder)
+from tests.netns import is_shm_manager  # noqa: E402
+from tests.nodeproc import free_port  # noqa: E402
 from dtrain.node.tokenizer import load_tokenizer  # noqa: E402
 
 JOIN_HINT = "Join it from another machine with"
@@ -133,29 +135,6 @@ def plain_loop(config: ModelConfig, device: Device, data: TokenDataset, batch: i
 
 # ---- real nodes --------------------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def process_tree(pid: int) -> list[int]:
-    """pid's descendants (children first listed last), from /proc/*/stat."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    found, frontier = [], [pid]
-    while frontier:
-        frontier = [p for p, pp in parents.items() if pp in frontier]
-        found += frontier
-    return found
-
-
 def cpu_seconds(pids) -> float:
     """User + system CPU time of these processes, every thread (/proc/PID/stat); gone ones count 0."""
     total = 0
@@ -180,7 +159,7 @@ def wait_quiet(nodes: list, max_wait_s: float, busy_cores: float = 0.3, sample_s
     """Wait (at most max_wait_s) until the processes other than this one and the nodes' trees use under
     `busy_cores` of the machine over `sample_s`: a window is not opened while other work runs, if it can be helped."""
     def ours() -> float:
-        return cpu_seconds([n.proc.pid for n in nodes] + [p for n in nodes for p in process_tree(n.proc.pid)])
+        return cpu_seconds([n.proc.pid for n in nodes] + [p for n in nodes for p in tree(n.proc.pid)[1:]])
 
     deadline = time.monotonic() + max_wait_s
     while True:
@@ -196,14 +175,6 @@ def wait_quiet(nodes: list, max_wait_s: float, busy_cores: float = 0.3, sample_s
             say(f"  other processes still use {others:.2f} cores after {max_wait_s:.0f}s of waiting: timing anyway")
             return
         say(f"  other processes use {others:.2f} cores: waiting for the machine to be quiet")
-
-
-def is_shm_manager(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip() == "torch_shm_manag"
-    except OSError:
-        return False
 
 
 class Node:
@@ -292,7 +263,7 @@ class Node:
             return
         except subprocess.TimeoutExpired:
             say(f"node {self.name} ignored SIGTERM: killing it and its children")
-        for pid in reversed(process_tree(self.proc.pid)):
+        for pid in reversed(tree(self.proc.pid)[1:]):
             if not is_shm_manager(pid):
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -324,14 +295,14 @@ def window(nodes: list[Node], window_s: float, quiet_wait_s: float) -> list[dict
     """Each node's samples trained over the same --window seconds (two status reads), with its updates in between."""
     wait_quiet(nodes, quiet_wait_s)
     first = [node.trained() for node in nodes]
-    cpu0 = [cpu_seconds([n.proc.pid, *process_tree(n.proc.pid)]) for n in nodes]
+    cpu0 = [cpu_seconds([n.proc.pid, *tree(n.proc.pid)[1:]]) for n in nodes]
     all0, mine0 = machine_cpu_seconds(), time.process_time()
     opened = time.monotonic()
     while time.monotonic() - opened < window_s:
         for node in nodes:
             node.alive()
         time.sleep(min(0.5, max(0.0, window_s - (time.monotonic() - opened))))
-    cpu1 = [cpu_seconds([n.proc.pid, *process_tree(n.proc.pid)]) for n in nodes]
+    cpu1 = [cpu_seconds([n.proc.pid, *tree(n.proc.pid)[1:]]) for n in nodes]
     cpu_wall = time.monotonic() - opened
     others = (machine_cpu_seconds() - all0 - (time.process_time() - mine0) - sum(cpu1) + sum(cpu0)) / cpu_wall
     last = [node.trained() for node in nodes]
