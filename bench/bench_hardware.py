@@ -74,7 +74,7 @@ from dtrain.node.tokenizer import load_tokenizer  # noqa: E402
 
 JOIN_HINT = "Join it from another machine with"
 MADDR_RE = re.compile(r"^\s+(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\S+)\s*$")
-UPDATE_RE = re.compile(r"update (\d+): (\d+) samples.*?; \d+ packets, (\d+) peers, took ([\d.]+)s")
+UPDATE_RE = re.compile(r"update (\d+): (\d+) samples.*?; \d+ packets, (\d+) peers(?:, \d+ inner updates)?, took ([\d.]+)s")
 PLAIN_WARMUP_STEPS = 3
 T_START = time.monotonic()
 
