@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence
 
 import hivemind
 import torch
-from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.optim.progress_tracker import GlobalTrainingProgress, LocalTrainingProgress, ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
@@ -153,6 +153,16 @@ class PacedTracker(ProgressTracker):
             return True
         return samples > 0 and time.monotonic() - self._grew_at >= self.settle_s
 
+    def _parse_swarm_progress_data(self, metadata) -> GlobalTrainingProgress:
+        progress = super()._parse_swarm_progress_data(metadata)
+        if isinstance(metadata, dict) and metadata:
+            # a peer behind the swarm's epoch is downloading its state or replaying the rounds it missed: it is in no
+            # round of this epoch. Counted, it made this peer's round look for a group it never joined
+            entries = [LocalTrainingProgress.parse_obj(v.value) for v in metadata.values() if v.value is not None]
+            current = [p for p in entries if p.epoch >= progress.epoch]
+            progress.num_peers, progress.num_clients = len(current), sum(p.client_mode for p in current)
+        return progress
+
     @property
     def estimated_next_update_time(self) -> float:
         # no estimate, so hivemind never pre-schedules a round for a time the bridge's traffic cannot promise
@@ -255,6 +265,8 @@ class SwarmOptimizer(hivemind.Optimizer):
             self._no_round_alone("the gradient round could not begin")
             # hivemind goes on with whatever is in .grad (the raw accumulators): put the exact gradient there
             self._load_exact_local_gradients()
+            if self.before_update is not None:  # as after a round: this update goes into the round log too
+                self.before_update()
             self._round_clean = self.tracker.global_progress.num_peers <= 1  # alone: nothing to average with
         return began
 
