@@ -43,7 +43,7 @@ from dtrain.node.train.robust import RobustAggregator, RobustConfig, all_finite,
 from dtrain.node.snapshot import PendingSnapshot, Snapshot, make_snapshot, params_digest
 from dtrain.node.swarm.deadlines import RoundClock, swarm_deadlines
 from dtrain.node.swarm.optimizer import SHUTDOWN_TIMEOUT_S, Swarm, make_local_optimizer, regroup_state_dict
-from dtrain.node.swarm.state import ServedState, keep_state_shared
+from dtrain.node.swarm.state import ServedState, SwarmStateAverager, keep_state_shared
 
 logger = get_logger(__name__)
 
@@ -286,6 +286,7 @@ class TrainingNode:
             logger.info(f"Restored checkpoint: epoch {restored.epoch}, {len(restored.losses)} losses")
 
         local_gradients = (lambda: self.rounds.offer()) if self.low_comm else self.gradient.mean
+        SwarmStateAverager.serve_mbit = cfg.swarm.serve_state_mbit  # read by the averager hivemind makes below
         self.swarm = swarm = Swarm(self.swarm_config, local_opt, local_gradients=local_gradients,
                                    low_comm=self.low_comm, round_clock=self.round_clock)
         opt = swarm.optimizer
@@ -323,7 +324,7 @@ class TrainingNode:
             if fraction is not None:  # every node computes the same outer step: a node behind may replay rounds
                 self.catchup = CatchUp(swarm, self.agreement, self.model, fraction, cfg.swarm.link_mbit)
                 if cfg.swarm.state_donors > 0 and not swarm.client_mode:  # nobody can dial a client-mode peer
-                    self.donor = RangeDonor(self.total_params, swarm.service)
+                    self.donor = RangeDonor(self.total_params, swarm.service, cfg.swarm.serve_state_mbit)
         snap = make_snapshot(self.model, opt.local_epoch)
         if (checked and snap.updates > 0) or (snap.updates == 0 and self._first_state in ("founder", "own state")):
             # a founder's epoch 0 is the swarm's start, which a joiner cannot rebuild when it was imported; a joiner
