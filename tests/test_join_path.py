@@ -23,7 +23,8 @@ def test_pace_holds_the_rate_after_one_burst():
     # a second later, a second's bytes are free again, and no more than the burst ever is
     assert pace.delay(0, now=now + 100.0) == 0.0
     assert pace.delay(2 << 20, now=now + 100.0) == pytest.approx(0.0, abs=1e-6)  # the bucket's MiB, and one MiB owed
-    assert pace.delay(1, now=now + 100.0) == pytest.approx((1 << 20) / 1e6, abs=1e-3)
+    # the next MiB waits for the one owed: 2 MiB in a second's burst, then the rate
+    assert pace.delay(1 << 20, now=now + 100.0) == pytest.approx((1 << 20) / 1e6, abs=1e-3)
 
 
 def test_pace_of_zero_is_no_bound_and_bad_rates_are_refused():
