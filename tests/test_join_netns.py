@@ -33,6 +33,7 @@ BEGIN = re.compile(r"Downloading the state from peer")
 END = re.compile(r"Downloaded the state from \S+ in|The download from \S+ failed")
 UPDATE = re.compile(r"\] update (\d+): ")
 NO_GROUP = re.compile(r"could not find a group")
+TOGETHER = re.compile(r"\] update (\d+): .* 2 peers, ")  # an update of a round that averaged two peers
 MIN_WINDOW_S = 10.0  # a download shorter than this says nothing about the founder's pace
 
 
@@ -108,16 +109,17 @@ def test_the_founder_keeps_training_while_a_joiner_downloads_and_when_it_comes_b
                 nodes.append(b)
                 b.wait_ready(240)
                 assert b.status()["first_state"] == "download"
-                wait_until(lambda: "Averaged gradients with 2 peers" in b.output(), 180, "a round of A and B", 1.0)
+                together = wait_until(lambda: TOGETHER.search(b.output()), 180, "a round of A and B", 1.0)
+                left_at = int(together.group(1))  # B leaves right after it: A's next round may still count it
+                wait_until(lambda: a.status()["updates"] >= left_at, 60, f"A's update {left_at}", 0.2)
                 first_b = b.output()
                 b_id = b.status()["peer_id"]
-                left_at = a.status()["updates"]
                 b.kill()
                 killed = time.time()
                 # B's records (its progress at the epoch it left at) live on in the DHT for up to a minute; A's round
                 # at that epoch may wait for it (the one round a leaving node costs), no later one: B comes back as
                 # soon as A has updated once, while its old records are still there
-                wait_until(lambda: a.status()["updates"] >= left_at + 1, 120, "A's update after B left", 0.5)
+                wait_until(lambda: a.status()["updates"] >= left_at + 1, 120, "A's update after B left", 0.2)
                 back = start_in(hosts["B"], "B2", b_args, run_id, peers)
                 nodes.append(back)
                 back.wait_ready(240)
