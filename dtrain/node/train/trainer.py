@@ -637,6 +637,7 @@ class TrainingNode:
             self.rounds.enter_outer()  # the pseudo-gradient aside: the download replaces the parameters
         if self.catchup is not None and not self._unverified and self.catchup.replay():
             self._after_catch_up(Download.CHECKED)  # the replayed bytes are the ones the peers publish
+            self._arrive_late()
             return
         with self.presence.announcing(self.step):  # as a joiner's first download (_join_download)
             download = self.agreement.load_state_from_peers()
