@@ -32,7 +32,7 @@ STAMP = re.compile(r"^(\w{3} +\d+ \d\d:\d\d:\d\d\.\d{3}) ")
 BEGIN = re.compile(r"Downloading the state from peer")
 END = re.compile(r"Downloaded the state from \S+ in|The download from \S+ failed")
 UPDATE = re.compile(r"\] update (\d+): ")
-NO_GROUP = re.compile(r"could not find a group")
+NO_GROUP = re.compile(r"Gradient averaging failed \(.*could not find a group")  # the node's line, one per round
 TOGETHER = re.compile(r"\] update (\d+): .* 2 peers, ")  # an update of a round that averaged two peers
 MIN_WINDOW_S = 10.0  # a download shorter than this says nothing about the founder's pace
 
