@@ -151,6 +151,11 @@ class SwarmConfig:
                                "others; the node serves ranges of its state too (a copy of the outer momentum, 4 "
                                "bytes per parameter) (0: one peer, through hivemind's download)")
 
+    # a donor's bound on the state it serves to downloading peers, so that its own rounds and records keep flowing
+    serve_state_mbit: float = option(0.0, "--serve-state-mbit", "Mbit/s this node streams its state to downloading "
+                                     "peers at, at most, all of them together (0: no bound; docs/low-communication.md, "
+                                     "\"How a node joins\")")
+
     def __post_init__(self):
         if self.sync not in ("per-step", "low-comm"):
             raise ConfigError(f"sync must be per-step or low-comm, got {self.sync!r}")
@@ -167,6 +172,8 @@ class SwarmConfig:
             raise ConfigError(f"topk_fraction must be in (0, 1], got {self.topk_fraction!r}")
         if not isinstance(self.state_donors, int) or self.state_donors < 0:
             raise ConfigError(f"state_donors must be an integer >= 0, got {self.state_donors!r}")
+        if not (self.serve_state_mbit >= 0 and self.serve_state_mbit < float("inf")):
+            raise ConfigError(f"serve_state_mbit must be a finite number >= 0 (0: no bound), got {self.serve_state_mbit!r}")
         if not self.link_mbit >= 0:
             raise ConfigError(f"link_mbit must be >= 0 (0: unknown), got {self.link_mbit!r}")
         if self.swarm_key_path is not None and not str(self.swarm_key_path).strip():

@@ -32,6 +32,7 @@ from hivemind.utils.logging import get_logger
 from dtrain.node.lowcomm import ranges, roundlog
 from dtrain.node.snapshot import params_digest
 from dtrain.node.swarm.agreement import reference_of
+from dtrain.node.swarm.download import UploadPace
 
 logger = get_logger(__name__)
 
@@ -66,10 +67,11 @@ class RangeDonor:
     """Serves ranges of the state this node serves (see the module docstring); `hold` runs on the training thread
     after every published snapshot, the answers on the node service's loop."""
 
-    def __init__(self, total: int, service=None):
+    def __init__(self, total: int, service=None, serve_mbit: float = 0.0):
         """`service`: the node's node.swarm.service.NodeService, which then serves `serve` as RANGE_HANDLER (gated
-        by the swarm key)."""
+        by the swarm key). `serve_mbit`: the bound on the bytes it streams, all requests together (0: none)."""
         self._total = total
+        self._pace = UploadPace(serve_mbit)
         self._held: Optional[Held] = None  # replaced whole, never changed: an answer reads one epoch's copy
         self.answered = 0  # ranges served
         if service is not None:
@@ -101,7 +103,9 @@ class RangeDonor:
                                                    held.momentum[r.offset:r.end]))
         self.answered += 1
         for i in range(0, len(data), CHUNK_BYTES):
-            yield wrappers_pb2.BytesValue(value=data[i:i + CHUNK_BYTES])
+            chunk = data[i:i + CHUNK_BYTES]
+            await self._pace.spend(len(chunk))
+            yield wrappers_pb2.BytesValue(value=chunk)
 
 
 async def fetch_range(p2p: P2P, peer: PeerID, r: ranges.Range, min_epoch: int, max_epoch: int,

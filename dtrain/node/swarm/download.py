@@ -19,7 +19,9 @@ and averages none of it until a whole download replaces them (node.swarm.agreeme
 """
 from __future__ import annotations
 
+import asyncio
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
 
@@ -30,6 +32,33 @@ from hivemind.utils.streaming import combine_from_streaming
 
 CHUNK_SLACK_BYTES = 1 << 20  # a serialized tensor's bytes beyond its values (its header, a codec's scales)
 SCALARS = (bool, int, float, str, type(None))
+
+
+class UploadPace:
+    """A donor's bound on the bytes it streams to downloading peers (`--serve-state-mbit`): a token bucket of
+    `burst_bytes` filled at the rate, shared by every stream it paces (one event loop), so that the donor's uplink
+    keeps room for its own rounds and DHT records. A rate of 0: no bound."""
+
+    def __init__(self, mbit: float, burst_bytes: int = 1 << 20):
+        if not (math.isfinite(mbit) and mbit >= 0):
+            raise ValueError(f"a serving rate must be a finite number of Mbit/s >= 0, got {mbit!r}")
+        self.rate = mbit * 1e6 / 8  # bytes/s
+        self.burst = max(int(burst_bytes), 1)
+        self._free_at = time.monotonic()  # when the bucket is full again
+
+    def delay(self, nbytes: int, now: Optional[float] = None) -> float:
+        """Seconds to wait before sending `nbytes` (counted as sent from now on)."""
+        if self.rate <= 0:
+            return 0.0
+        now = time.monotonic() if now is None else now
+        start = max(self._free_at, now - self.burst / self.rate)  # a bucket holds at most `burst` bytes
+        self._free_at = start + max(int(nbytes), 0) / self.rate
+        return max(0.0, self._free_at - now - self.burst / self.rate)
+
+    async def spend(self, nbytes: int) -> None:
+        wait = self.delay(nbytes)
+        if wait > 0:
+            await asyncio.sleep(wait)
 
 
 class BadState(ValueError):

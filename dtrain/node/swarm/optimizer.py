@@ -146,6 +146,8 @@ class SwarmOptimizer(hivemind.Optimizer):
             self._no_round_alone("the gradient round could not begin")
             # hivemind goes on with whatever is in .grad (the raw accumulators): put the exact gradient there
             self._load_exact_local_gradients()
+            if self.before_update is not None:  # as after a round: this update goes into the round log too
+                self.before_update()
             self._round_clean = self.tracker.global_progress.num_peers <= 1  # alone: nothing to average with
         return began
 

@@ -22,7 +22,7 @@ from hivemind.utils.streaming import split_for_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from dtrain.node import memory
-from dtrain.node.swarm.download import BadState, Layout, Received, receive_into
+from dtrain.node.swarm.download import BadState, Layout, Received, UploadPace, receive_into
 from dtrain.node.swarm.deadlines import Retimable
 from dtrain.node.swarm.keygate import KeyGatedServicer
 
@@ -117,6 +117,10 @@ class SwarmStateAverager(Retimable, KeyGatedServicer, TrainingStateAverager):
     answer only peers that prove the key (node.swarm.keygate), whose downloads are one moment's state, and which
     downloads a peer's state into the node's tensors as it arrives (`load_state_from_peers`)."""
 
+    # Mbit/s a donor streams its state at, at most (--serve-state-mbit; 0: no bound), read when an averager is made:
+    # the node sets it before it joins (hivemind makes the averager inside its optimizer)
+    serve_mbit: float = 0.0
+
     def __init__(self, *args, **kwargs):
         # the parameters and optimizer state are the averaged tensors themselves (they are in shared memory already,
         # node.swarm.state.keep_state_shared): no second copy of them (up to 3P). An all-reduce then writes the
@@ -125,6 +129,8 @@ class SwarmStateAverager(Retimable, KeyGatedServicer, TrainingStateAverager):
         self.torn = False  # the tensors hold part of a download that failed: serve and average none of it
         self._downloading = False  # a download is being written into the tensors (set and read under the lock)
         self._stream: Optional[tuple[Layout, tuple[torch.Tensor, ...]]] = None  # set when the process starts
+        # the bound on the state this donor streams (its process forks in the constructor, with this)
+        self._pace = UploadPace(SwarmStateAverager.serve_mbit)
         super().__init__(*args, reuse_tensors=True, **kwargs)
 
     def _state_tensors(self) -> tuple[list, tuple[torch.Tensor, ...]]:
@@ -279,6 +285,7 @@ class SwarmStateAverager(Retimable, KeyGatedServicer, TrainingStateAverager):
                 serialized = self.state_compression.compress(tensor, info, allow_inplace=False)
                 release([tensor])  # the serialized bytes are a copy of their own
                 for part in split_for_streaming(serialized):
+                    await self._pace.spend(part.ByteSize())  # --serve-state-mbit: room for the donor's own traffic
                     if metadata is not None:  # with the first part only
                         yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata)
                         metadata = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.optim.progress_tracker import GlobalTrainingProgress, LocalTrainingProgress, ProgressTracker
 from hivemind.utils import get_dht_time
 
 
@@ -48,6 +48,16 @@ class PacedTracker(ProgressTracker):
         if samples >= self.target_batch_size and (progress.num_peers > 1 or not self.others_present()):
             return True
         return samples > 0 and time.monotonic() - self._grew_at >= self.settle_s
+
+    def _parse_swarm_progress_data(self, metadata) -> GlobalTrainingProgress:
+        progress = super()._parse_swarm_progress_data(metadata)
+        if isinstance(metadata, dict) and metadata:
+            # a peer behind the swarm's epoch is downloading its state or replaying the rounds it missed: it is in no
+            # round of this epoch. Counted, it made this peer's round look for a group it never joined
+            entries = [LocalTrainingProgress.parse_obj(v.value) for v in metadata.values() if v.value is not None]
+            current = [p for p in entries if p.epoch >= progress.epoch]
+            progress.num_peers, progress.num_clients = len(current), sum(p.client_mode for p in current)
+        return progress
 
     @property
     def estimated_next_update_time(self) -> float:

@@ -51,7 +51,7 @@ from dtrain.node.train.reference import ReferenceConfig, ReferenceSource
 from dtrain.node.train.robust import RobustAggregator, RobustConfig
 from dtrain.node.snapshot import Snapshot, make_snapshot, params_digest
 from dtrain.node.swarm.deadlines import RoundClock, swarm_deadlines
-from dtrain.node.swarm.state import keep_state_shared
+from dtrain.node.swarm.state import SwarmStateAverager, keep_state_shared
 from dtrain.node.swarm.swarm import SHUTDOWN_TIMEOUT_S, Swarm
 
 logger = get_logger(__name__)
@@ -63,6 +63,8 @@ START_RECORD_WAIT_S = 10.0
 # low-comm on a GPU: the least time between served steps (--min-round-seconds), so that a browser that needs seconds
 # for a packet stays inside the late window of five steps
 DEFAULT_MIN_ROUND_S_GPU = 5.0
+# how long a joiner, announced, waits before it downloads: two of every node's looks at the announcements
+JOIN_ANNOUNCE_S = 2 * ANNOUNCE_EVERY_S
 
 
 class NodeStopped(RuntimeError):
@@ -309,6 +311,7 @@ class TrainingNode:
             logger.info(f"Restored checkpoint: epoch {restored.epoch}, {len(restored.losses)} losses")
 
         local_gradients = (lambda: self.rounds.offer()) if self.low_comm else self.gradient.mean
+        SwarmStateAverager.serve_mbit = cfg.swarm.serve_state_mbit  # read by the averager hivemind makes below
         self.swarm = swarm = Swarm(
             self.swarm_config, local_opt, local_gradients=local_gradients, low_comm=self.low_comm,
             round_clock=self.round_clock,
@@ -355,7 +358,7 @@ class TrainingNode:
             if fraction is not None:  # every node computes the same outer step: a node behind may replay rounds
                 self.catchup = CatchUp(swarm, self.agreement, self.model, fraction, cfg.swarm.link_mbit)
                 if cfg.swarm.state_donors > 0 and not swarm.client_mode:  # nobody can dial a client-mode peer
-                    self.donor = RangeDonor(self.total_params, swarm.service)
+                    self.donor = RangeDonor(self.total_params, swarm.service, cfg.swarm.serve_state_mbit)
         self.publisher = StepPublisher(self.model, swarm, self.agreement, self.gradient, self.pool, self.low_comm,
                                        donor=self.donor, losses=self._losses)
         for callback in self._snapshot_listeners:
@@ -377,6 +380,8 @@ class TrainingNode:
             # believes it is alone and updates at once, and this node, behind, has to catch up before its first
             # update can join the swarm's
             self._stop.wait(ANNOUNCE_EVERY_S + 0.5)
+        if self._first_state == "download":
+            self._arrive_late()
         logger.info(f"Node ready at step {snap.step} (epoch {snap.updates})")
 
     def _check_swarm_model(self) -> None:
@@ -398,6 +403,11 @@ class TrainingNode:
     def _join_download(self, timeout_s: float) -> Download:
         """A joiner serves nothing the swarm disagrees with: it downloads until the bytes agree (bounded)."""
         swarm = self.config.swarm
+        # every node reads this one's announcement before a donor copies its state: a node alone until then makes an
+        # update of every inner step (the spec's single server), which no round log holds, so a state copied before
+        # its last such update lands behind it with nothing to replay, and the joiner downloads it all again
+        if any(peer != self.swarm.peer_id for peer in self.presence.refresh(0, 0)):
+            self._stop.wait(JOIN_ANNOUNCE_S)
         if self.low_comm and swarm.wire_codec == "sparse" and swarm.state_donors > 0:
             self.presence.refresh(0, 0)  # announced while it downloads, as below
             spread = SpreadDownload(self.swarm, self.agreement, self.model, swarm.topk_fraction, swarm.state_donors,
@@ -522,10 +532,39 @@ class TrainingNode:
             self.rounds.enter_outer()  # the pseudo-gradient aside: the download replaces the parameters
         if self.catchup is not None and not self.unverified and self.catchup.replay():
             self.after_catch_up(Download.CHECKED)  # the replayed bytes are the ones the peers publish
+            self._arrive_late()
             return
         with self.presence.announcing(self.step):  # as a joiner's first download (_join_download)
             download = self.agreement.load_state_from_peers()
+        if download is Download.UNCHECKED and self.catchup is not None and \
+                self.agreement.saw(opt.tracker.global_epoch) > opt.local_epoch:
+            # the peers' records of the downloaded epoch expired while it came (it took longer than their last rounds):
+            # brought to the swarm's epoch by replay, it is checked against that epoch's records
+            before = params_digest(self.model)
+            if self.catchup.replay():
+                download = Download.CHECKED
+            elif params_digest(self.model) != before:  # a replay that did not give the swarm's bytes
+                download = Download.REFUSED
         self.after_catch_up(download)
+        self._arrive_late()
+
+    def _arrive_late(self) -> None:
+        """Low-comm: a node that arrives in an epoch the others have trained part of (after a download or a replay)
+        is a late contributor. Its round is due about when theirs is, with the inner updates it made by then, instead
+        of a whole round after its arrival, which the others would wait for once theirs are done: its inner updates
+        are counted from the others' samples in the epoch so far (its local batch each)."""
+        if self.rounds is None or self.unverified:
+            return
+        progress = self.swarm.optimizer.tracker.global_progress
+        if progress.epoch != self.swarm.epoch or progress.samples_accumulated <= 0:
+            return
+        others = max(1, progress.num_peers - 1)
+        done = int(progress.samples_accumulated / others / max(1, self.config.local_batch_size))
+        late = min(self.rounds.inner_steps - 1, max(done, 0))
+        if late > self.rounds.steps:
+            logger.info(f"Arrived in epoch {progress.epoch} after about {late} of its {self.rounds.inner_steps} inner "
+                        f"updates: this node's round is due with the others'")
+            self.rounds.steps = late
 
     def after_catch_up(self, download: Download) -> None:
         """The swarm's state is in the model (or a download was refused): serve it, then the round goes on on top."""

@@ -1,0 +1,148 @@
+"""Nobody waits for a downloading peer: real nodes in network namespaces, every link shaped with tbf.
+
+A founds a sparse low-communication swarm and trains; B joins over a shaped link and downloads the state while A goes
+on; B trains with A, is killed (SIGKILL) and comes back with the same identity while its progress record of before is
+still in the DHT (it lives a minute), downloading again. B's leaving may cost A the one round that looks for B's
+gradient (hivemind's "could not find a group"), no more. During each of B's downloads (from its log's "Downloading the
+state from peer" to "Downloaded the state"), A's own log and polled status must show updates, and A must not have
+looked for a group that never formed (its round counting B as a member while B downloaded). B, back, must serve A's
+bytes and average a round with it.
+"""
+from __future__ import annotations
+
+import re
+import threading
+import time
+from datetime import datetime
+
+import pytest
+
+from tests import netns
+from tests.nodeproc import TINY_CONFIG, maddrs_on, new_run_id, shown_on_failure, start_in, wait_until
+
+REASON = netns.unavailable_reason()
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(REASON is not None,
+                                                    reason=f"network namespaces unavailable: {REASON}")]
+
+RATE_MBIT = 4  # every link, both ways: the tiny model's state (about 13 MB) takes 25 s and more, a round a few seconds
+INNER = 4
+# the defaults (the harness's own are shorter): a round that waits for a member that never comes waits this long
+DEFAULT_TIMEOUTS = ["--matchmaking-time", "5", "--request-timeout", "3", "--averaging-timeout", "30"]
+STAMP = re.compile(r"^(\w{3} +\d+ \d\d:\d\d:\d\d\.\d{3}) ")
+BEGIN = re.compile(r"Downloading the state from peer")
+END = re.compile(r"Downloaded the state from \S+ in|The download from \S+ failed")
+UPDATE = re.compile(r"\] update (\d+): ")
+NO_GROUP = re.compile(r"Gradient averaging failed \(.*could not find a group")  # the node's line, one per round
+TOGETHER = re.compile(r"\] update (\d+): .* 2 peers, ")  # an update of a round that averaged two peers
+MIN_WINDOW_S = 10.0  # a download shorter than this says nothing about the founder's pace
+
+
+def stamp(line: str) -> float:
+    m = STAMP.match(line)
+    year = datetime.now().year
+    return datetime.strptime(f"{year} {m.group(1)}", "%Y %b %d %H:%M:%S.%f").timestamp() if m else float("nan")
+
+
+def windows(output: str) -> list[tuple[float, float]]:
+    """(start, end) of every download of the state in a node's log."""
+    found, begun = [], None
+    for line in output.splitlines():
+        if BEGIN.search(line) and begun is None:
+            begun = stamp(line)
+        elif END.search(line) and begun is not None:
+            found.append((begun, stamp(line)))
+            begun = None
+    return found
+
+
+def stamped(output: str, pattern: re.Pattern) -> list[float]:
+    return [stamp(line) for line in output.splitlines() if pattern.search(line)]
+
+
+class StatusLog:
+    """The founder's status, polled every half second from a thread of this process: (time, updates)."""
+
+    def __init__(self, node):
+        self.node, self.samples, self._stop = node, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                self.samples.append((time.time(), int(self.node.status()["updates"])))
+            except (OSError, TimeoutError, ValueError, KeyError):
+                continue
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(10)
+
+    def updates_within(self, start: float, end: float) -> int:
+        inside = [u for t, u in self.samples if start <= t <= end]
+        return inside[-1] - inside[0] if len(inside) >= 2 else 0
+
+
+@pytest.mark.timeout(600)
+def test_the_founder_keeps_training_while_a_joiner_downloads_and_when_it_comes_back(tmp_path):
+    text = tmp_path / "train.txt"
+    from tests.texts import write_shakespeare
+    write_shakespeare(text, 30_000)
+    args = ["--model-config", str(TINY_CONFIG), "--train-data", str(text), "--local-batch-size", "2",
+            "--local-seq-len", "32", "--sync", "low-comm", "--inner-steps", str(INNER), "--wire-codec", "sparse",
+            "--topk-fraction", "0.01", *DEFAULT_TIMEOUTS]
+    b_args = [*args, "--identity-path", str(tmp_path / "b.identity")]
+    run_id, nodes = new_run_id(), []
+    with netns.Net() as net:
+        hosts = {"A": net.host("a", rate_mbit=RATE_MBIT), "B": net.host("b", rate_mbit=RATE_MBIT)}
+        with shown_on_failure(nodes):
+            a = start_in(hosts["A"], "A", args, run_id)
+            nodes.append(a)
+            a.wait_ready()
+            peers = maddrs_on(a, hosts["A"])
+            wait_until(lambda: a.status()["updates"] >= 2, 120, "A's first updates", 0.5)
+            with StatusLog(a) as polled:
+                b = start_in(hosts["B"], "B", b_args, run_id, peers)
+                nodes.append(b)
+                b.wait_ready(240)
+                assert b.status()["first_state"] == "download"
+                together = wait_until(lambda: TOGETHER.search(b.output()), 180, "a round of A and B", 1.0)
+                left_at = int(together.group(1))  # B leaves right after it: A's next round may still count it
+                wait_until(lambda: a.status()["updates"] >= left_at, 60, f"A's update {left_at}", 0.2)
+                first_b = b.output()
+                b_id = b.status()["peer_id"]
+                b.kill()
+                killed = time.time()
+                # B's records (its progress at the epoch it left at) live on in the DHT for up to a minute; A's round
+                # at that epoch may wait for it (the one round a leaving node costs), no later one: B comes back as
+                # soon as A has updated once, while its old records are still there
+                wait_until(lambda: a.status()["updates"] >= left_at + 1, 120, "A's update after B left", 0.2)
+                back = start_in(hosts["B"], "B2", b_args, run_id, peers)
+                nodes.append(back)
+                back.wait_ready(240)
+                assert back.status()["peer_id"] == b_id  # the same identity
+                wait_until(lambda: "Averaged gradients with 2 peers" in back.output(), 180,
+                           "a round of A and B, back", 1.0)
+            a_log = a.output()
+            a_updates, a_no_group = stamped(a_log, UPDATE), stamped(a_log, NO_GROUP)
+            downloads = windows(first_b) + windows(back.output())
+            assert len(windows(first_b)) >= 1 and len(windows(back.output())) >= 1, downloads
+            timed = [(s, e) for s, e in downloads if e - s >= MIN_WINDOW_S]
+            assert timed, f"no download of {MIN_WINDOW_S:g}s or more: {downloads}"
+            for start, end in timed:
+                in_log = sum(1 for t in a_updates if start <= t <= end)
+                in_status = polled.updates_within(start, end)
+                waited = [t for t in a_no_group if start <= t <= end]
+                assert in_log >= 1 and in_status >= 1, (
+                    f"A made {in_log} updates (log) / {in_status} (status) during B's {end - start:.0f}s download")
+                assert not waited, f"A's round looked for a group that never formed during B's download: {waited}"
+            # B's leaving cost A at most one round, B's downloads while back none
+            waited = [t for t in a_no_group if t >= killed]
+            assert len(waited) <= 1, f"A looked for a group without B {len(waited)} times after B left"
+            # back, B serves the bytes A serves for the same step
+            step = back.status()["step"]
+            wait_until(lambda: step in a.digests(), 60, f"A's digest of step {step}", 0.5)
+            assert back.digests()[step] == a.digests()[step]

@@ -1,0 +1,66 @@
+"""The join path's pure parts: a donor's bound on the state it streams (node.swarm.download.UploadPace) and which
+peers a round counts (node.swarm.optimizer.PacedTracker: only those at the swarm's epoch)."""
+import logging
+import time
+
+import pytest
+from hivemind.optim.progress_tracker import LocalTrainingProgress
+from hivemind.utils import ValueWithExpiration, get_dht_time
+from hivemind.utils.performance_ema import PerformanceEMA
+
+from dtrain.node.swarm.download import UploadPace
+from dtrain.node.swarm.optimizer import PacedTracker
+
+pytestmark = pytest.mark.unit
+
+
+def test_pace_holds_the_rate_after_one_burst():
+    pace = UploadPace(8.0, burst_bytes=1 << 20)  # 1 MB/s
+    now = time.monotonic()
+    waits = [pace.delay(1 << 18, now=now) for _ in range(12)]  # 3 MiB at once
+    assert waits[:4] == [0.0] * 4  # the first MiB is the burst
+    assert waits[-1] == pytest.approx((12 * (1 << 18) - (1 << 20)) / 1e6, abs=1e-3)
+    # a second later, a second's bytes are free again, and no more than the burst ever is
+    assert pace.delay(0, now=now + 100.0) == 0.0
+    assert pace.delay(2 << 20, now=now + 100.0) == pytest.approx(0.0, abs=1e-6)  # the bucket's MiB, and one MiB owed
+    # the next MiB waits for the one owed: 2 MiB in a second's burst, then the rate
+    assert pace.delay(1 << 20, now=now + 100.0) == pytest.approx((1 << 20) / 1e6, abs=1e-3)
+
+
+def test_pace_of_zero_is_no_bound_and_bad_rates_are_refused():
+    assert UploadPace(0.0).delay(1 << 30) == 0.0
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError):
+            UploadPace(bad)
+
+
+def _tracker(local_epoch: int) -> PacedTracker:
+    tracker = PacedTracker.__new__(PacedTracker)  # the parsing only: no DHT, no thread
+    tracker.prefix, tracker.target_batch_size, tracker.status_loglevel = "run", 48, logging.DEBUG
+    tracker.min_refresh_period, tracker.max_refresh_period, tracker.default_refresh_period = 0.2, 1.0, 0.5
+    tracker.expected_drift_peers, tracker.expected_drift_rate = 3, 0.2
+    tracker.performance_ema = PerformanceEMA(alpha=0.1)
+    tracker.local_progress = LocalTrainingProgress(peer_id=b"me", epoch=local_epoch, samples_accumulated=8,
+                                                   samples_per_second=1.0, time=get_dht_time(), client_mode=False)
+    return tracker
+
+
+def _entry(epoch: int, samples: int, client: bool = False) -> ValueWithExpiration:
+    progress = LocalTrainingProgress(peer_id=b"p", epoch=epoch, samples_accumulated=samples, samples_per_second=1.0,
+                                     time=get_dht_time(), client_mode=client)
+    return ValueWithExpiration(progress.dict(), get_dht_time() + 60)
+
+
+def test_a_round_counts_only_peers_at_the_swarms_epoch():
+    # this peer and a client at epoch 16; a peer that re-downloads the state still shows its record of epoch 14
+    metadata = {b"me": _entry(16, 8), b"client": _entry(16, 4, client=True), b"behind": _entry(14, 40)}
+    progress = _tracker(16)._parse_swarm_progress_data(metadata)
+    assert (progress.epoch, progress.num_peers, progress.num_clients) == (16, 2, 1)
+    assert progress.samples_accumulated == 12  # hivemind's rule, unchanged: samples of the epoch only
+    # seen from the peer behind: the swarm is at 16, and it is in none of its rounds itself
+    progress = _tracker(14)._parse_swarm_progress_data(metadata)
+    assert (progress.epoch, progress.num_peers) == (16, 2)
+
+
+def test_no_records_is_hiveminds_own_answer():
+    assert _tracker(3)._parse_swarm_progress_data({}).num_peers == 0
