@@ -68,8 +68,7 @@ from dtrain.node.device import Device, resolve  # noqa: E402
 from dtrain.node.model import build_model  # noqa: E402
 from dtrain.node.train.adamw import decay_groups  # noqa: E402
 from bench_memory import tree  # noqa: E402  (bench/ is this script's folder)
-from tests.netns import is_shm_manager  # noqa: E402
-from tests.nodeproc import free_port  # noqa: E402
+from tests.nodeproc import free_port, kill_node  # noqa: E402
 from dtrain.node.tokenizer import load_tokenizer  # noqa: E402
 
 JOIN_HINT = "Join it from another machine with"
@@ -263,15 +262,7 @@ class Node:
             return
         except subprocess.TimeoutExpired:
             say(f"node {self.name} ignored SIGTERM: killing it and its children")
-        for pid in reversed(tree(self.proc.pid)[1:]):
-            if not is_shm_manager(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        kill_node(self.proc, list(reversed(tree(self.proc.pid)[1:])), wait_s=10)
 
 
 def wait_for(what: str, predicate, nodes: list[Node], timeout_s: float, interval_s: float = 1.0):

@@ -215,21 +215,25 @@ class NodeProcess:
         return time.monotonic() - start
 
     def kill(self):
-        """SIGKILL the node and its children, except torch_shm_manager: it unlinks the node's shared-memory
-        tensors (/dev/shm/torch_*) once its clients are gone, and exits by itself; killed, it leaks them."""
-        for pid in self.children():
-            if is_shm_manager(pid):
-                continue
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
+        kill_node(self.proc, self.children())
 
 
 NETNS_PORT = 4100  # a node in a network namespace of its own listens on it, on every address there
+
+
+def kill_node(proc: subprocess.Popen, children: Sequence[int], wait_s: float = 5.0) -> None:
+    """SIGKILL a node's process and `children`, except torch_shm_manager: it unlinks the node's shared-memory
+    tensors (/dev/shm/torch_*) once its clients are gone, and exits by itself; killed, it leaks them."""
+    for pid in children:
+        if is_shm_manager(pid):
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(wait_s)
 
 
 def start_in(host, name: str, args: Sequence[str], run_id: str, initial_peers: Sequence[str] = ()) -> NodeProcess:

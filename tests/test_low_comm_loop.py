@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dtrain.node import snapshot
-from dtrain.node.config import ModelConfig, NodeConfig, SwarmConfig, TrainConfig
+from dtrain.node.config import ConfigError, ModelConfig, NodeConfig, SwarmConfig, TrainConfig
 from dtrain.node.data import TokenDataset
 from dtrain.node.lowcomm.rounds import InnerRounds
 from dtrain.node.train.trainer import TrainingNode
@@ -87,7 +87,6 @@ def test_a_round_is_due_after_its_inner_steps_and_its_least_duration():
 
 
 def test_min_round_seconds_defaults_by_device_and_is_bounded():
-    from dtrain.node.config import ConfigError
     assert SwarmConfig().min_round_s is None  # resolved by the node: 0 on a CPU, 5 s on a GPU
     with pytest.raises(ConfigError, match="min_round_s"):
         SwarmConfig(min_round_s=-1.0)

@@ -170,21 +170,15 @@ class InnerRounds:
 
     def _params_take_trained(self) -> None:
         """Resident: the parameters take the inner updates' values from the device (P across, once per round)."""
-        if not self._params_behind:
-            return
-        with torch.no_grad():
-            for p, q in zip(self.params, self.trained):
-                p.copy_(q)
-        self._params_behind = False
+        if self._params_behind:
+            _copy_all(self.params, self.trained)
+            self._params_behind = False
 
     def _trained_take_params(self) -> None:
         """Resident: the device's copy takes the parameters' values, where the next inner updates start."""
-        if not self._resident:
-            return
-        with torch.no_grad():
-            for q, p in zip(self.trained, self.params):
-                q.copy_(p)
-        self._params_behind = False
+        if self._resident:
+            _copy_all(self.trained, self.params)
+            self._params_behind = False
 
     def enter_outer(self) -> None:
         """Before anything replaces the parameters (a download of the swarm's state, a replay of missed rounds): the
@@ -328,6 +322,12 @@ class InnerRounds:
                         self._feedback_written = True
         self.steps, self._offer = steps, None
         self._trained_take_params()
+
+
+def _copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for d, s in zip(dst, src):
+            d.copy_(s)
 
 
 def _views_of(arrays: Optional[Sequence[np.ndarray]], like: Sequence[torch.Tensor]) -> Optional[list[torch.Tensor]]:
