@@ -281,11 +281,16 @@ def run(mode: str, rate, args, paths: list[Path], held_tokens: np.ndarray) -> di
             memory.check()  # the watch stopped the nodes: say so, not how a node's end was first noticed
             raise
         finally:
-            for node in nodes:
-                node.kill()
-            if args.keep_logs:
-                for node in nodes:
-                    print(f"--- {node.name}: {node.log_path}")
+            stop_nodes(nodes, args.keep_logs)
+
+
+def stop_nodes(nodes, keep_logs: bool) -> None:
+    """Every node of a run killed; with --keep-logs, where each one's log is."""
+    for node in nodes:
+        node.kill()
+    if keep_logs:
+        for node in nodes:
+            print(f"--- {node.name}: {node.log_path}")
 
 
 # ---- churn: nodes join one after another as the swarm trains, one leaves and comes back --------------------------
@@ -442,11 +447,7 @@ def churn(rate, args, paths: list[Path]) -> dict:
                         samples=samples, seconds=elapsed, joins=rows, a_gave_up=a_gave_up,
                         a_updates=len(lines_between(a_out, UPDATE_LINE, window_start, time.time())))
         finally:
-            for node in nodes:
-                node.kill()
-            if args.keep_logs:
-                for node in nodes:
-                    print(f"--- {node.name}: {node.log_path}")
+            stop_nodes(nodes, args.keep_logs)
 
 
 def print_churn(results: list[dict], args) -> None:
