@@ -34,14 +34,15 @@ def test_pace_of_zero_is_no_bound_and_bad_rates_are_refused():
             UploadPace(bad)
 
 
-def _tracker(local_epoch: int) -> PacedTracker:
+def _tracker(local_epoch: int, key: bytes = b"me", client: bool = False) -> PacedTracker:
     tracker = PacedTracker.__new__(PacedTracker)  # the parsing only: no DHT, no thread
     tracker.prefix, tracker.target_batch_size, tracker.status_loglevel = "run", 48, logging.DEBUG
     tracker.min_refresh_period, tracker.max_refresh_period, tracker.default_refresh_period = 0.2, 1.0, 0.5
     tracker.expected_drift_peers, tracker.expected_drift_rate = 3, 0.2
     tracker.performance_ema = PerformanceEMA(alpha=0.1)
+    tracker._local_public_key = key
     tracker.local_progress = LocalTrainingProgress(peer_id=b"me", epoch=local_epoch, samples_accumulated=8,
-                                                   samples_per_second=1.0, time=get_dht_time(), client_mode=False)
+                                                   samples_per_second=1.0, time=get_dht_time(), client_mode=client)
     return tracker
 
 
@@ -58,8 +59,22 @@ def test_a_round_counts_only_peers_at_the_swarms_epoch():
     assert (progress.epoch, progress.num_peers, progress.num_clients) == (16, 2, 1)
     assert progress.samples_accumulated == 12  # hivemind's rule, unchanged: samples of the epoch only
     # seen from the peer behind: the swarm is at 16, and it is in none of its rounds itself
-    progress = _tracker(14)._parse_swarm_progress_data(metadata)
+    progress = _tracker(14, key=b"behind")._parse_swarm_progress_data(metadata)
     assert (progress.epoch, progress.num_peers) == (16, 2)
+
+
+def test_idle_full_peers_count_whatever_their_records_say():
+    # two full peers with no samples of their own joined two client rounds: hivemind no longer publishes their
+    # progress, so their records still say epoch 2 while the swarm is at 3 with a client that gathered samples. Both
+    # count: this peer by what it knows of itself, the other as idle; a client-mode peer behind with samples does not
+    metadata = {b"me": _entry(2, 0), b"client": _entry(3, 4, client=True), b"idle": _entry(2, 0),
+                b"old client": _entry(2, 4, client=True)}
+    progress = _tracker(3)._parse_swarm_progress_data(metadata)
+    assert (progress.epoch, progress.num_peers, progress.num_clients) == (3, 3, 1)
+    assert progress.samples_accumulated == 4
+    # seen from the client: the two idle full peers are in its round
+    progress = _tracker(3, key=b"client", client=True)._parse_swarm_progress_data(metadata)
+    assert (progress.num_peers, progress.num_clients) == (3, 1)
 
 
 def test_no_records_is_hiveminds_own_answer():

@@ -52,10 +52,13 @@ class PacedTracker(ProgressTracker):
     def _parse_swarm_progress_data(self, metadata) -> GlobalTrainingProgress:
         progress = super()._parse_swarm_progress_data(metadata)
         if isinstance(metadata, dict) and metadata:
-            # a peer behind the swarm's epoch is downloading its state or replaying the rounds it missed: it is in no
-            # round of this epoch. Counted, it made this peer's round look for a group it never joined
-            entries = [LocalTrainingProgress.parse_obj(v.value) for v in metadata.values() if v.value is not None]
-            current = [p for p in entries if p.epoch >= progress.epoch]
+            others = [LocalTrainingProgress.parse_obj(v.value) for key, v in metadata.items()
+                      if v.value is not None and key != self._local_public_key]
+            current = [p for p in others if p.epoch >= progress.epoch or _idle_full_peer(p)]
+            # this peer by what it knows of itself, not by its record (hivemind may have stopped publishing it, as
+            # below): left out of its own count, a full peer found itself alone with a client and began no round
+            if self._local_public_key in metadata and self.local_progress.epoch >= progress.epoch:
+                current.append(self.local_progress)
             progress.num_peers, progress.num_clients = len(current), sum(p.client_mode for p in current)
         return progress
 
@@ -63,3 +66,14 @@ class PacedTracker(ProgressTracker):
     def estimated_next_update_time(self) -> float:
         # no estimate, so hivemind never pre-schedules a round for a time the bridge's traffic cannot promise
         return get_dht_time() if self.ready_to_update_epoch else float("inf")
+
+
+def _idle_full_peer(progress: LocalTrainingProgress) -> bool:
+    """Which records behind the swarm's epoch still count as peers of its rounds.
+
+    A peer behind that holds samples trained at an epoch the swarm left: it is downloading its state or replaying the
+    rounds it missed, in no round of this epoch; counted, it made this peer's round look for a group it never joined.
+    A full peer with no samples is idle: hivemind stops republishing the progress of a peer with no samples of its
+    own two epochs on, so its record stays behind while it joins every round client-mode peers gather samples for,
+    and a client-mode peer that did not count it would never begin the round it can only join."""
+    return not progress.client_mode and progress.samples_accumulated == 0
