@@ -144,5 +144,5 @@ def test_the_founder_keeps_training_while_a_joiner_downloads_and_when_it_comes_b
             assert len(waited) <= 1, f"A looked for a group without B {len(waited)} times after B left"
             # back, B serves the bytes A serves for the same step
             step = back.status()["step"]
-            wait_until(lambda: step in a.digests(), 60, f"A's digest of step {step}", 0.5)
+            wait_until(lambda: step in a.digests() and step in back.digests(), 60, f"both digests of step {step}", 0.5)
             assert back.digests()[step] == a.digests()[step]

@@ -107,7 +107,9 @@ class StepPublisher:
     def publish(self, snap: Snapshot) -> None:
         """`snap` is the served step from now on: for other threads, for peers that download (low-comm: the
         snapshot's bytes and the outer state of their epoch, never the inner updates' parameters), and for the
-        listeners."""
+        listeners. Its log line comes first: whoever sees the step served (the status, a peer) finds its digest in
+        the log."""
+        logger.info(f"step {snap.step} params sha256 {snap.digest} l2 {l2_norm(snap):.12e}")
         self.snapshot = snap
         averager = self.swarm.optimizer.state_averager
         if self.donor is not None:  # the outer momentum of this epoch, copied before the next outer step moves it
@@ -116,7 +118,6 @@ class StepPublisher:
         if self.low_comm:
             averager.served = ServedState(snap.updates, snap.f32, averager.optimizer.version)
         self.share_state()
-        logger.info(f"step {snap.step} params sha256 {snap.digest} l2 {l2_norm(snap):.12e}")
         for callback in self._snapshot_listeners:
             try:
                 callback(snap)
