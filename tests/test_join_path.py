@@ -5,6 +5,7 @@ import time
 
 import pytest
 from hivemind.optim.progress_tracker import LocalTrainingProgress
+from hivemind.p2p import PeerID
 from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.performance_ema import PerformanceEMA
 
@@ -41,13 +42,14 @@ def _tracker(local_epoch: int, key: bytes = b"me", client: bool = False) -> Pace
     tracker.expected_drift_peers, tracker.expected_drift_rate = 3, 0.2
     tracker.performance_ema = PerformanceEMA(alpha=0.1)
     tracker._local_public_key = key
+    tracker.announced_epochs = dict
     tracker.local_progress = LocalTrainingProgress(peer_id=b"me", epoch=local_epoch, samples_accumulated=8,
                                                    samples_per_second=1.0, time=get_dht_time(), client_mode=client)
     return tracker
 
 
-def _entry(epoch: int, samples: int, client: bool = False) -> ValueWithExpiration:
-    progress = LocalTrainingProgress(peer_id=b"p", epoch=epoch, samples_accumulated=samples, samples_per_second=1.0,
+def _entry(epoch: int, samples: int, client: bool = False, peer: bytes = b"p") -> ValueWithExpiration:
+    progress = LocalTrainingProgress(peer_id=peer, epoch=epoch, samples_accumulated=samples, samples_per_second=1.0,
                                      time=get_dht_time(), client_mode=client)
     return ValueWithExpiration(progress.dict(), get_dht_time() + 60)
 
@@ -63,17 +65,23 @@ def test_a_round_counts_only_peers_at_the_swarms_epoch():
     assert (progress.epoch, progress.num_peers) == (16, 2)
 
 
-def test_idle_full_peers_count_whatever_their_records_say():
+def test_a_peer_announced_at_the_swarms_epoch_counts_whatever_its_record_says():
     # two full peers with no samples of their own joined two client rounds: hivemind no longer publishes their
-    # progress, so their records still say epoch 2 while the swarm is at 3 with a client that gathered samples. Both
-    # count: this peer by what it knows of itself, the other as idle; a client-mode peer behind with samples does not
-    metadata = {b"me": _entry(2, 0), b"client": _entry(3, 4, client=True), b"idle": _entry(2, 0),
-                b"old client": _entry(2, 4, client=True)}
-    progress = _tracker(3)._parse_swarm_progress_data(metadata)
+    # progress, so their records still say epoch 2 while the swarm is at 3 with a client that gathered samples. This
+    # peer counts by what it knows of itself, the other by its announcement; a peer that left after epoch 2 (its
+    # record as idle as theirs) and a joiner that announced its download do not
+    metadata = {b"me": _entry(2, 0, peer=b"me"), b"client": _entry(3, 4, client=True), b"idle": _entry(2, 0, peer=b"idle"),
+                b"gone": _entry(2, 0, peer=b"gone"), b"joiner": _entry(1, 0, peer=b"joiner")}
+    announced = {PeerID(b"idle").to_base58(): 3, PeerID(b"joiner").to_base58(): -1}
+    tracker = _tracker(3)
+    tracker.announced_epochs = lambda: announced
+    progress = tracker._parse_swarm_progress_data(metadata)
     assert (progress.epoch, progress.num_peers, progress.num_clients) == (3, 3, 1)
     assert progress.samples_accumulated == 4
-    # seen from the client: the two idle full peers are in its round
-    progress = _tracker(3, key=b"client", client=True)._parse_swarm_progress_data(metadata)
+    # seen from the client: the two full peers at epoch 3 are in its round
+    client = _tracker(3, key=b"client", client=True)
+    client.announced_epochs = lambda: {**announced, PeerID(b"me").to_base58(): 3}
+    progress = client._parse_swarm_progress_data(metadata)
     assert (progress.num_peers, progress.num_clients) == (3, 1)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import hivemind
 import torch
@@ -64,13 +64,14 @@ class SwarmOptimizer(hivemind.Optimizer):
     def __init__(self, *, local_gradients: Callable[[], Sequence[torch.Tensor]], update_bonus: float,
                  settle_s: float, swarm_key: Optional[bytes] = None,
                  others_present: Callable[[], bool] = lambda: False, round_due: Optional[Callable[[], bool]] = None,
+                 announced_epochs: Callable[[], Mapping[str, int]] = dict,
                  before_state_load: Optional[Callable[[], None]] = None, **kwargs):
         """`local_gradients`: this peer's exact gradient, applied when the swarm's average is unavailable;
-        `others_present`, `round_due`: the tracker's (node.swarm.tracker.PacedTracker); `before_state_load`: called
-        before every download of the state, which replaces the parameters (low-comm: the node sets the inner
-        updates' parameters aside, node.lowcomm.rounds.InnerRounds.enter_outer)."""
+        `others_present`, `round_due`, `announced_epochs`: the tracker's (node.swarm.tracker.PacedTracker);
+        `before_state_load`: called before every download of the state, which replaces the parameters (low-comm:
+        the node sets the inner updates' parameters aside, node.lowcomm.rounds.InnerRounds.enter_outer)."""
         self._local_gradients = local_gradients
-        self._others_present, self._round_due = others_present, round_due
+        self._others_present, self._round_due, self._announced_epochs = others_present, round_due, announced_epochs
         self._swarm_key = swarm_key  # a closed swarm: the state averager's RPCs answer only holders of the key
         self._update_bonus = update_bonus  # added to the epoch as this peer's state-sharing priority after an update
         self._settle_s = settle_s
@@ -111,6 +112,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         return PacedTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
                              client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=True,
                              settle_s=self._settle_s, others_present=self._others_present, round_due=self._round_due,
+                             announced_epochs=self._announced_epochs,
                              **kwargs)
 
     @property

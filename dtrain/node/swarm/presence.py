@@ -6,7 +6,7 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Mapping, Optional
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional
 
 import hivemind
 import pydantic.v1 as pydantic
@@ -48,6 +48,7 @@ class PeerInfo:
     pending_samples: int  # samples it holds that no update applied yet
     time: float  # DHT time of the announcement (seconds since the epoch)
     model: Optional[dict] = None  # the shape of the model it trains (ModelConfig.architecture()), if it said
+    epoch: int = -1  # the swarm epoch whose rounds it takes part in; -1 while it downloads the state
 
     @classmethod
     def from_record(cls, peer_id: str, record: Mapping) -> "PeerInfo":
@@ -55,15 +56,17 @@ class PeerInfo:
         return cls(peer_id=peer_id, step=int(record.get("step", 0)), bridge_port=int(record.get("bridge_port", 0)),
                    maddrs=tuple(str(m) for m in record.get("maddrs", ())), training=bool(record.get("training")),
                    pending_samples=int(record.get("pending_samples", 0)), time=float(record.get("time", 0.0)),
-                   model=dict(model) if isinstance(model, Mapping) else None)
+                   model=dict(model) if isinstance(model, Mapping) else None, epoch=int(record.get("epoch", -1)))
 
 
 class Presence:
     """This node's announcement and its view of the others (training thread only)."""
 
     def __init__(self, dht: hivemind.DHT, run_id: str, owner: dht_records.RecordOwner, maddrs, bridge_port: int,
-                 model: Optional[Mapping[str, int]] = None):
+                 model: Optional[Mapping[str, int]] = None, epoch: Callable[[], int] = lambda: -1):
+        """`epoch`: the swarm epoch this node is at (announced, but -1 while it downloads: `announcing`)."""
         self._dht, self._key, self._owner = dht, presence_key(run_id), owner
+        self._epoch = epoch
         self._model = dict(model) if model is not None else None  # announced, so a joiner can check it first
         self.peer_id = owner.peer_id
         self._maddrs, self._bridge_port = tuple(maddrs)[:4], bridge_port
@@ -77,17 +80,18 @@ class Presence:
     def due(self) -> bool:
         return time.monotonic() - self._last_announce >= ANNOUNCE_EVERY_S
 
-    def refresh(self, step: int, pending_samples: int) -> dict[str, PeerInfo]:
+    def refresh(self, step: int, pending_samples: int, downloading: bool = False) -> dict[str, PeerInfo]:
         """Announce this node and read everyone's announcements."""
-        self._announce(step, pending_samples)
+        self._announce(step, pending_samples, downloading)
         self.nodes = {peer: PeerInfo.from_record(peer, r) for peer, r in dht_records.read(self._dht, self._key).items()}
         return self.nodes
 
-    def _announce(self, step: int, pending_samples: int) -> None:
+    def _announce(self, step: int, pending_samples: int, downloading: bool = False) -> None:
         self._last_announce = time.monotonic()
         training = time.monotonic() - self._last_samples_at < TRAINING_RECENTLY_S
         record = dict(step=step, bridge_port=self._bridge_port, maddrs=list(self._maddrs), training=training,
-                      pending_samples=pending_samples, time=get_dht_time())
+                      pending_samples=pending_samples, time=get_dht_time(),
+                      epoch=-1 if downloading else int(self._epoch()))
         if self._model is not None:
             record["model"] = self._model
         dht_records.store(self._dht, self._key, self._owner, record)
@@ -110,11 +114,11 @@ class Presence:
         def keep_announcing() -> None:  # a store only: nobody reads the others' announcements meanwhile
             while not stop.wait(ANNOUNCE_EVERY_S):
                 try:
-                    self._announce(step, 0)
+                    self._announce(step, 0, downloading=True)
                 except Exception as e:  # the next one may work; the download goes on either way
                     logger.warning(f"Announcing this node failed: {e!r}")
 
-        self.refresh(step, 0)
+        self.refresh(step, 0, downloading=True)
         thread = threading.Thread(target=keep_announcing, name="dtrain-announce", daemon=True)
         thread.start()
         try:

@@ -11,7 +11,7 @@ import os
 import threading
 import time
 from functools import partial
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import hivemind
 import torch
@@ -60,10 +60,12 @@ class Swarm:
                  local_gradients: Callable[[], Sequence[torch.Tensor]], verbose: bool = False,
                  low_comm: bool = False, round_clock: Optional[RoundClock] = None,
                  others_present: Callable[[], bool] = lambda: False, round_due: Optional[Callable[[], bool]] = None,
+                 announced_epochs: Callable[[], Mapping[str, int]] = dict,
                  before_state_load: Optional[Callable[[], None]] = None):
         """`round_clock`: keeps the all-reduce deadline from each round's measured throughput (node.swarm.deadlines);
-        None: `config.averaging_timeout_s` throughout. `local_gradients`, `others_present`, `round_due` and
-        `before_state_load`: what the node tells its optimizer (node.swarm.optimizer.SwarmOptimizer)."""
+        None: `config.averaging_timeout_s` throughout. `local_gradients`, `others_present`, `round_due`,
+        `announced_epochs` and `before_state_load`: what the node tells its optimizer
+        (node.swarm.optimizer.SwarmOptimizer)."""
         self.config = config
         # a closed swarm: the key is read (or refused) before anything starts; the run's DHT keys are then named
         # with it, and every DHT request and response carries its HMAC (node.swarm.swarmkey)
@@ -127,6 +129,7 @@ class Swarm:
                 local_gradients=local_gradients,
                 others_present=others_present,
                 round_due=round_due,
+                announced_epochs=announced_epochs,
                 before_state_load=before_state_load,
                 update_bonus=peer_bonus(self.peer_id),
                 swarm_key=swarm_key,

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 from hivemind.optim.progress_tracker import GlobalTrainingProgress, LocalTrainingProgress, ProgressTracker
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 
@@ -19,14 +20,24 @@ class PacedTracker(ProgressTracker):
     - reaching the target while this peer's view of the swarm's progress shows no one else although other nodes
       announced themselves (a node that joined or just received its first packet has not read their progress yet).
       Then the settle rule decides, which waits long enough for the progress of every peer to be read.
+
+    The peers a round counts are those at the swarm's epoch: by their progress record, by their announcement
+    (node.swarm.presence), and this peer by what it knows of itself. A peer behind is downloading its state or
+    replaying the rounds it missed, in no round of this epoch; counted (hivemind counts every record), it made this
+    peer's round look for a group it never joined. A record alone is not enough either way: hivemind stops publishing
+    the progress of a peer with no samples of its own two epochs on, so a full peer that only joins client-mode
+    peers' rounds keeps a record behind while it is in every one of them.
     """
 
     def __init__(self, *args, settle_s: float, others_present: Callable[[], bool] = lambda: False,
-                 round_due: Optional[Callable[[], bool]] = None, **kwargs):
+                 round_due: Optional[Callable[[], bool]] = None,
+                 announced_epochs: Callable[[], Mapping[str, int]] = dict, **kwargs):
         self.settle_s = settle_s
         # whether other nodes announced themselves (node.swarm.presence); a swarm without announcements (the
         # adapter's, node.serve.adapter) says always
         self.others_present = others_present
+        # peer id -> the epoch each node announced it is at (node.swarm.presence; -1 while it downloads)
+        self.announced_epochs = announced_epochs
         # low-communication mode: the node's own rule (its round is due, or it is the single server) replaces the
         # target and the settle rule; then this peer's round begins once the swarm's samples stopped growing
         self.round_due = round_due
@@ -52,11 +63,13 @@ class PacedTracker(ProgressTracker):
     def _parse_swarm_progress_data(self, metadata) -> GlobalTrainingProgress:
         progress = super()._parse_swarm_progress_data(metadata)
         if isinstance(metadata, dict) and metadata:
+            announced = self.announced_epochs()
             others = [LocalTrainingProgress.parse_obj(v.value) for key, v in metadata.items()
                       if v.value is not None and key != self._local_public_key]
-            current = [p for p in others if p.epoch >= progress.epoch or _idle_full_peer(p)]
+            current = [p for p in others if p.epoch >= progress.epoch
+                       or announced.get(_peer_name(p.peer_id), -1) >= progress.epoch]
             # this peer by what it knows of itself, not by its record (hivemind may have stopped publishing it, as
-            # below): left out of its own count, a full peer found itself alone with a client and began no round
+            # above): left out of its own count, a full peer found itself alone with a client and began no round
             if self._local_public_key in metadata and self.local_progress.epoch >= progress.epoch:
                 current.append(self.local_progress)
             progress.num_peers, progress.num_clients = len(current), sum(p.client_mode for p in current)
@@ -68,12 +81,8 @@ class PacedTracker(ProgressTracker):
         return get_dht_time() if self.ready_to_update_epoch else float("inf")
 
 
-def _idle_full_peer(progress: LocalTrainingProgress) -> bool:
-    """Which records behind the swarm's epoch still count as peers of its rounds.
-
-    A peer behind that holds samples trained at an epoch the swarm left: it is downloading its state or replaying the
-    rounds it missed, in no round of this epoch; counted, it made this peer's round look for a group it never joined.
-    A full peer with no samples is idle: hivemind stops republishing the progress of a peer with no samples of its
-    own two epochs on, so its record stays behind while it joins every round client-mode peers gather samples for,
-    and a client-mode peer that did not count it would never begin the round it can only join."""
-    return not progress.client_mode and progress.samples_accumulated == 0
+def _peer_name(peer_id: bytes) -> str:
+    try:
+        return PeerID(peer_id).to_base58()
+    except Exception:  # a record that names no peer counts by its epoch alone
+        return ""

@@ -316,6 +316,8 @@ class TrainingNode:
             self.swarm_config, local_opt, local_gradients=local_gradients, low_comm=self.low_comm,
             round_clock=self.round_clock,
             others_present=lambda: self.presence is not None and not self.presence.alone(),
+            announced_epochs=lambda: {} if self.presence is None else {
+                peer: info.epoch for peer, info in self.presence.nodes.items()},
             # low-comm: the loop's rule; whatever downloads sets the inner updates' parameters aside first
             round_due=(lambda: self.loop.round_due) if self.low_comm else None,
             before_state_load=(lambda: self.rounds is not None and self.rounds.enter_outer()) if self.low_comm else None)
@@ -324,7 +326,7 @@ class TrainingNode:
             opt.state_averager.local_epoch = restored.epoch
             opt.tracker.report_local_progress(restored.epoch, 0)
         self.presence = Presence(swarm.dht, swarm.run_id, swarm.owner, swarm.maddrs, cfg.port,
-                                 model=self.model_config.architecture())
+                                 model=self.model_config.architecture(), epoch=lambda: swarm.epoch)
         self.agreement = Agreement(swarm.dht, opt, self.model, self.swarm_config, self._stop, seed_digest,
                                    swarm.owner)
         self._rng = np.random.default_rng(int.from_bytes(swarm.peer_id.encode()[-8:], "little"))
