@@ -9,6 +9,8 @@ CHROMIUM := /usr/bin/chromium
 IPTABLES := /usr/sbin/iptables
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 TORCH_VERSION := 2.13.0
+# pytest-xdist workers: the swarm tests mostly wait on the swarm's timers, so two share two cores well
+TEST_WORKERS ?= 2
 # torch is the CPU build unless a GPU owner names a CUDA build of the same version on the command line, e.g.
 # `make setup TORCH_CUDA=cu128`: it comes from PyTorch's own index for that CUDA version with its local version
 # pinned (torch==2.13.0+cu128), so a name that index lacks fails instead of falling back to another build.
@@ -63,11 +65,11 @@ node: $(STAMP) $(WEB)
 	$(BIN)/dtrain-node $(ARGS)
 
 test: $(STAMP) $(WEB) $(CHROMIUM) $(IPTABLES)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --maxschedchunk 1 $(PYTEST_ARGS)
 
 # unit tests and HTTP conformance in-process: a minute or two
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "unit or http" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --maxschedchunk 1 -m "unit or http" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_ingest.py

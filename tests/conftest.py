@@ -5,6 +5,10 @@ The tiers are pyproject's markers: `unit` (pure, in-process), `http` (a node's r
 wheel of this tree installed into a fresh environment). A module says
 which with `pytestmark = pytest.mark.<tier>` (or a list holding one); a module without one, or with two, or a
 test marked with a tier of its own, fails collection with a message that names it. `make test-fast` runs `-m "unit or http"`.
+
+The suite runs the slow tiers first (`RUN_ORDER`): `make test` spreads it over two pytest-xdist workers that each take
+the other's remaining tests when done (`--dist worksteal`), and the minutes-long tests, started first, end together
+with the seconds-long ones instead of after them.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import dtrain  # noqa: F401  (first: it keeps numpy's OpenBLAS single-threaded, 
 import pytest
 
 TIERS = ("unit", "http", "browser", "swarm", "netns", "gpu", "install")
+RUN_ORDER = ("netns", "swarm", "install", "browser", "gpu", "http", "unit")  # the slowest tiers first
 
 
 def module_tiers(module) -> list[str]:
@@ -42,3 +47,5 @@ def pytest_collection_modifyitems(session, config, items):
         raise pytest.UsageError(
             "every test module declares exactly one tier, e.g. `pytestmark = pytest.mark.unit` "
             f"(one of {', '.join(TIERS)}; see tests/conftest.py):\n" + "\n".join(lines))
+    items.sort(key=lambda item: RUN_ORDER.index(module_tiers(item.module)[0]) if getattr(item, "module", None)
+               else len(RUN_ORDER))  # stable: within a tier, the files' order
