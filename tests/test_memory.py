@@ -1,5 +1,7 @@
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -8,12 +10,47 @@ import torch
 from dtrain.node import memory
 
 pytestmark = pytest.mark.unit
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_glibc_takes_the_threshold_and_trims():
     assert memory.cap_mmap_threshold()
     assert isinstance(memory.trim(), bool)  # 1 when it released memory, 0 when there was none to release
+
+
+_PASSES = """
+import resource, sys, torch
+from dtrain.node import memory
+assert (memory.cap_mmap_threshold if sys.argv[1] == "cap" else memory.reuse_freed_blocks)()
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])  # 4 MiB weights and gradients
+x = torch.randn(512, 1024)  # 2 MiB activations
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def train_pass():
+    model.zero_grad(set_to_none=True)
+    model(x).square().mean().backward()
+for _ in range(3):  # the heap grows to a pass's size once
+    train_pass()
+before = faults()
+for _ in range(10):
+    train_pass()
+print(faults() - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_training_passes_reuse_the_heap_where_the_capped_threshold_maps_fresh_pages():
+    def page_faults(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _PASSES, mode], capture_output=True, text=True, timeout=120,
+                             cwd=REPO)
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout.split()[-1])
+
+    capped, reused = page_faults("cap"), page_faults("reuse")
+    assert capped >= 10 * (16 << 20) // 4096  # each pass faults in its gradients and activations afresh (40 MiB)
+    assert reused * 10 < capped, (capped, reused)
 
 
 def test_share_moves_tensors_to_shared_memory_in_place():

@@ -26,6 +26,7 @@ import torch
 from hivemind.utils.logging import get_logger
 
 from dtrain.node import checkpoint as ckpt
+from dtrain.node import memory
 from dtrain.node.swarm.agreement import Agreement, Download
 from dtrain.node.config import ConfigError, ModelConfig, NodeConfig, TrainConfig
 from dtrain.node.contribution import Contribution
@@ -63,6 +64,7 @@ START_RECORD_WAIT_S = 10.0
 # low-comm on a GPU: the least time between served steps (--min-round-seconds), so that a browser that needs seconds
 # for a packet stays inside the late window of five steps
 DEFAULT_MIN_ROUND_S_GPU = 5.0
+TRIM_EVERY_S = 30.0  # how often the training thread hands the heap's free pages back (node.memory)
 # how long a joiner, announced, waits before it downloads: two of every node's looks at the announcements
 JOIN_ANNOUNCE_S = 2 * ANNOUNCE_EVERY_S
 
@@ -169,6 +171,7 @@ class TrainingNode:
         self._first_state = ""  # how the state of its first served step came (NodeStatus.first_state)
         self.unverified = False  # the model holds downloaded bytes the swarm disagrees with: catch up, never serve
         self._stop = threading.Event()
+        self._next_trim = time.monotonic() + TRIM_EVERY_S
         self._wake = threading.Event()  # set by the pool when a hand-over is ready
         self.pool.on_ready(self._wake.set)
         self._rng = np.random.default_rng()
@@ -189,6 +192,7 @@ class TrainingNode:
             if self.swarm is not None:
                 self.swarm.shutdown()
             raise
+        memory.reuse_freed_blocks()  # hivemind's processes are forked: from here on, passes reuse their blocks
         self._thread.start()
 
     def stop(self, grace_s: float = 3.0) -> None:
@@ -479,6 +483,9 @@ class TrainingNode:
         # on a timer of its own: the presence is also refreshed elsewhere (alone, --wait-for-peers), which left
         # this peer's records to expire in a swarm waiting for peers or idle
         self.agreement.keep_alive()
+        if time.monotonic() >= self._next_trim:  # the free pages the training passes left in the heap (node.memory)
+            memory.trim()
+            self._next_trim = time.monotonic() + TRIM_EVERY_S
         epoch = self.swarm.epoch
         if self.config.checkpoint_dir and epoch - self._last_checkpoint_epoch >= self.config.checkpoint_every:
             self._save_checkpoint()
