@@ -16,8 +16,8 @@ mapped and unmapped on their own, while the node builds its state and hivemind f
 A training loop is the other way round: each pass frees the activations and gradients of the last and allocates the
 same sizes again. Mapped on their own, every pass faults in fresh pages for all of them (GPT-2 small's plain PyTorch
 loop ran at two thirds of its speed so). `reuse_freed_blocks`, once the node joined, gives glibc the threshold its own
-rule ends at (32 MiB), so a pass reuses the blocks of the last, and the training thread hands the heap's free pages
-back on a timer (`trim`) instead of at every free.
+rule ends at (32 MiB), so a pass reuses the blocks of the last, and the heap's free pages go back to the system
+after every served step and every 30 s (`trim`) instead of at every free.
 
 A buffer that every use overwrites whole first (a low-comm node's gradient buffers between its updates) need hold no
 memory meanwhile: `release` hands its pages back in place. The tensor keeps its object and address, and every process

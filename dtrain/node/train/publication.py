@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import torch
 from hivemind.utils.logging import get_logger
 
+from dtrain.node import memory
 from dtrain.node.lowcomm.statefetch import RangeDonor
 from dtrain.node.snapshot import PendingSnapshot, Snapshot
 from dtrain.node.swarm.agreement import Agreement, Verdict
@@ -80,6 +81,7 @@ class StepPublisher:
             self.gradient.carry()
         if snap is not None:
             self.publish(snap)
+        memory.trim()  # what the update freed (round buffers, the snapshot's making) stays out of the heap it reuses
         now = time.monotonic()
         took_s, since_s = now - started, now - self._last_served_at
         self._last_served_at = now
