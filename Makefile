@@ -67,7 +67,7 @@ node: $(STAMP) $(WEB)
 test: $(STAMP) $(WEB) $(CHROMIUM) $(IPTABLES)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --maxschedchunk 1 $(PYTEST_ARGS)
 
-# unit tests and HTTP conformance in-process: a minute or two
+# unit tests and HTTP conformance in-process: about three minutes on two cores
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --maxschedchunk 1 -m "unit or http" $(PYTEST_ARGS)
 
