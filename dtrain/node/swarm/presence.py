@@ -127,6 +127,10 @@ class Presence:
             stop.set()
             thread.join()
 
+    def epochs(self) -> dict[str, int]:
+        """peer id -> the epoch each node announced, as of the last refresh (-1: downloading)."""
+        return {peer: info.epoch for peer, info in self.nodes.items()}
+
     def alone(self) -> bool:
         """No other node announced itself recently."""
         return all(peer == self.peer_id for peer in self.nodes)

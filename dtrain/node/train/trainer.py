@@ -320,8 +320,7 @@ class TrainingNode:
             self.swarm_config, local_opt, local_gradients=local_gradients, low_comm=self.low_comm,
             round_clock=self.round_clock,
             others_present=lambda: self.presence is not None and not self.presence.alone(),
-            announced_epochs=lambda: {} if self.presence is None else {
-                peer: info.epoch for peer, info in self.presence.nodes.items()},
+            announced_epochs=lambda: self.presence.epochs() if self.presence is not None else {},
             # low-comm: the loop's rule; whatever downloads sets the inner updates' parameters aside first
             round_due=(lambda: self.loop.round_due) if self.low_comm else None,
             before_state_load=(lambda: self.rounds is not None and self.rounds.enter_outer()) if self.low_comm else None)
