@@ -67,7 +67,7 @@ from dtrain.node.data import TokenDataset  # noqa: E402
 from dtrain.node.device import Device, resolve  # noqa: E402
 from dtrain.node.model import build_model  # noqa: E402
 from dtrain.node.train.adamw import decay_groups  # noqa: E402
-from bench_memory import tree  # noqa: E402  (bench/ is this script's folder)
+from bench_memory import held_bytes, tree  # noqa: E402  (bench/ is this script's folder)
 from tests.nodeproc import free_port, kill_node  # noqa: E402
 from dtrain.node.tokenizer import load_tokenizer  # noqa: E402
 
@@ -75,6 +75,7 @@ JOIN_HINT = "Join it from another machine with"
 MADDR_RE = re.compile(r"^\s+(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\S+)\s*$")
 UPDATE_RE = re.compile(r"update (\d+): (\d+) samples.*?; \d+ packets, (\d+) peers(?:, \d+ inner updates)?, took ([\d.]+)s")
 PLAIN_WARMUP_STEPS = 3
+GIB = 1 << 30
 T_START = time.monotonic()
 
 
@@ -92,6 +93,9 @@ def plain_loop(config: ModelConfig, device: Device, data: TokenDataset, batch: i
                window_s: float) -> dict:
     train = TrainConfig.load(DEFAULT_STATIC_DIR / "train_config.json")  # what the node loads by default
     model = build_model(config).to(device.torch_device)  # eval mode, as the node's (dropout is 0 anyway)
+    params = sum(p.numel() for p in model.parameters())
+    if device.is_cuda:
+        torch.cuda.reset_peak_memory_stats(device.torch_device)
     extra = {"fused": True} if device.is_cuda else {}
     opt = torch.optim.AdamW(decay_groups(model, train.weight_decay), lr=train.learning_rate,
                             betas=(train.beta1, train.beta2), eps=train.eps, **extra)
@@ -123,8 +127,9 @@ def plain_loop(config: ModelConfig, device: Device, data: TokenDataset, batch: i
         sync()
         wall = time.perf_counter() - started
         return {"samples_s": steps * batch / wall, "steps": steps, "wall": wall, "loss": loss.item(),
-                "cores": (time.process_time() - cpu0) / wall,
-                "others": (machine_cpu_seconds() - all0 - (time.process_time() - cpu0)) / wall}
+                "cores": (time.process_time() - cpu0) / wall, "params": params,
+                "others": (machine_cpu_seconds() - all0 - (time.process_time() - cpu0)) / wall,
+                "gpu_gib": torch.cuda.max_memory_reserved(device.torch_device) / GIB if device.is_cuda else None}
     finally:
         del model, opt
         gc.collect()
@@ -152,6 +157,23 @@ def machine_cpu_seconds() -> float:
     with open("/proc/stat") as f:
         fields = [int(x) for x in f.readline().split()[1:]]
     return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def gpu_bytes_by_pid() -> dict[int, int]:
+    """The GPU memory each process holds (nvidia-smi's compute apps); empty where there is no nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    held = {}
+    for line in out.splitlines():
+        try:
+            pid, mib = (int(x) for x in line.split(","))
+        except ValueError:
+            continue
+        held[pid] = held.get(pid, 0) + mib * (1 << 20)
+    return held
 
 
 def wait_quiet(nodes: list, max_wait_s: float, busy_cores: float = 0.3, sample_s: float = 3.0) -> None:
@@ -297,13 +319,16 @@ def window(nodes: list[Node], window_s: float, quiet_wait_s: float) -> list[dict
     cpu_wall = time.monotonic() - opened
     others = (machine_cpu_seconds() - all0 - (time.process_time() - mine0) - sum(cpu1) + sum(cpu0)) / cpu_wall
     last = [node.trained() for node in nodes]
+    on_gpu = gpu_bytes_by_pid()
     out = []
     for node, (c0, t0, s0), (c1, t1, s1), u0, u1 in zip(nodes, first, last, cpu0, cpu1):
+        pids = tree(node.proc.pid)
         groups = [int(m.group(3)) for line in node.output(t0, t1) if (m := UPDATE_RE.search(line))]
         out.append({"name": node.name, "samples": c1 - c0, "seconds": t1 - t0, "samples_s": (c1 - c0) / (t1 - t0),
                     "updates": s1["updates"] - s0["updates"], "groups": groups, "peers": s1.get("training_peers"),
                     "carried": s1["carried_samples"] - s0["carried_samples"], "cores": (u1 - u0) / cpu_wall,
-                    "others": others})
+                    "others": others, "host_gib": held_bytes(node.proc.pid) / GIB,
+                    "gpu_gib": sum(on_gpu.get(p, 0) for p in pids) / GIB if on_gpu else None})
     return out
 
 
@@ -372,6 +397,11 @@ class NodeRun:
             for node in nodes:
                 node.stop(deadline - time.monotonic())
             say(f"  {'node' if len(nodes) == 1 else 'nodes'} stopped")
+
+
+def memory_cell(host_gib: Optional[float], gpu_gib: Optional[float], fp32_bytes: int) -> str:
+    host = "–" if host_gib is None else f"{host_gib:.2f} ({host_gib * GIB / fp32_bytes:.1f}x)"
+    return f"{host} / {'–' if gpu_gib is None else f'{gpu_gib:.2f}'}"
 
 
 # ---- main --------------------------------------------------------------------------------------------------------
@@ -453,8 +483,9 @@ def main() -> None:
                     f"last loss {plain['loss']:.3f}, {plain['cores']:.2f} cores busy (other processes: "
                     f"{plain['others']:.2f}), load average {os.getloadavg()[0]:.2f} ({time.monotonic() - t0:.0f}s)")
                 base = plain["samples_s"]
+                fp32 = plain["params"] * 4
                 rows.append((name, device.describe(), label, "–", "plain", base, seq, base, plain["cores"],
-                             plain["others"]))
+                             plain["others"], memory_cell(None, plain["gpu_gib"], fp32)))
                 for mode in args.modes:
                     for kind in args.runs:
                         t0 = time.monotonic()
@@ -465,32 +496,38 @@ def main() -> None:
                         per_node = runner.run(kind)
                         failures += runner.failures
                         if per_node is None:
-                            rows.append((name, device.describe(), label, mode, what, None, seq, base, None, None))
+                            rows.append((name, device.describe(), label, mode, what, None, seq, base, None, None,
+                                         ""))
                             continue
                         for n in per_node:
                             together = sum(1 for g in n["groups"] if g > 1)
                             say(f"  {n['name']}: {n['samples']} samples in {n['seconds']:.1f}s = "
                                 f"{n['samples_s']:.2f}/s; {n['updates']} updates in the window ({together} of them "
                                 f"logged with a group of 2+ peers), training_peers {n['peers']}, carried "
-                                f"{n['carried']} samples, {n['cores']:.2f} cores busy (its process tree)")
+                                f"{n['carried']} samples, {n['cores']:.2f} cores busy (its process tree), "
+                                f"{memory_cell(n['host_gib'], n['gpu_gib'], fp32)} GiB host / GPU")
                         rate = sum(n["samples_s"] for n in per_node)
                         cores = sum(n["cores"] for n in per_node)
                         say(f"  {what}: {rate:.2f} samples/s, {rate / base:.2f}x the plain loop, load average "
                             f"{os.getloadavg()[0]:.2f} ({time.monotonic() - t0:.0f}s)")
+                        biggest = max(per_node, key=lambda n: n["host_gib"])
                         rows.append((name, device.describe(), label, mode, what, rate, seq, base, cores,
-                                     per_node[0]["others"]))
+                                     per_node[0]["others"], memory_cell(biggest["host_gib"], biggest["gpu_gib"], fp32)))
     finally:
         print(f"\n{len(rows)} rows in {time.monotonic() - started:.0f}s; window {args.window:.0f}s, warm-up "
               f"{args.warmup:.0f}s\n")
         print("| config | device | shape | mode | run | samples/s | tokens/s | ratio to plain | cores busy: "
-              "measured / other processes |")
-        print("|---|---|---|---|---|---:|---:|---:|---:|")
-        for name, where, label, mode, what, rate, seq, base, cores, others in rows:
+              "measured / other processes | memory per node: host / GPU GiB |")
+        print("|---|---|---|---|---|---:|---:|---:|---:|---:|")
+        for name, where, label, mode, what, rate, seq, base, cores, others, held in rows:
             if rate is None:
-                print(f"| {name} | {where} | {label} | {mode} | {what} | failed | | | |")
+                print(f"| {name} | {where} | {label} | {mode} | {what} | failed | | | | |")
             else:
                 print(f"| {name} | {where} | {label} | {mode} | {what} | {rate:.2f} | {rate * seq:,.0f} | "
-                      f"{rate / base:.2f}x | {cores:.2f} / {others:.2f} |")
+                      f"{rate / base:.2f}x | {cores:.2f} / {others:.2f} | {held} |")
+        print("\nmemory per node: what the node's process tree holds on the host (bench_memory.held_bytes, at the "
+              "window's end; x its fp32 parameters' bytes) and on the GPU (nvidia-smi); the plain loop's GPU figure is "
+              "torch's peak reserved memory; two nodes: the larger node")
         print(f"\ncores busy: CPU seconds per second of the window, of what was measured (the bench's process for "
               f"plain, the nodes' process trees) and of every other process on this machine ({os.cpu_count()} "
               f"cores; /proc/stat); a row with other processes busy is low. Load average at the end: "

