@@ -106,3 +106,31 @@ def test_an_adopted_gradient_becomes_the_empty_sums_with_the_bytes_of_zeros_plus
     fresh = [torch.tensor([2.0, 0.0, 0.0]), torch.tensor([[0.0, 3.0]])]
     g.add(fresh, 1, 0.0, adopt=True)  # empty again after a drain: taken again
     assert g.sums[1].data_ptr() == fresh[1].data_ptr()
+
+
+def test_losses_left_as_tensors_count_in_the_order_they_came_with_the_bytes_floats_would_give():
+    losses = [torch.tensor(2.7182817), torch.tensor(0.1), torch.tensor(3.3333333)]
+    as_floats, as_tensors = PendingGradient(ELEMENTS), PendingGradient(ELEMENTS)
+    parts = [torch.ones(6), torch.ones(4)]
+    as_floats.add(parts, 8, 8 * losses[0].item(), local=True)
+    as_floats.add_contributions([_contribution(3, 1.7, np.ones(6), [1], [1.0])])
+    as_floats.add(parts, 5, 5 * losses[1].item(), local=True)
+    as_floats.add(parts, 8, 8 * losses[2].item(), local=True)
+    as_tensors.add(parts, 8, 0.0, local=True, loss=losses[0])
+    as_tensors.add_contributions([_contribution(3, 1.7, np.ones(6), [1], [1.0])])
+    as_tensors.add(parts, 5, 0.0, local=True, loss=losses[1])
+    as_tensors.add(parts, 8, 0.0, local=True, loss=losses[2])
+    assert as_tensors.loss_sum == as_floats.loss_sum  # the same float64 sum, term by term
+    assert as_tensors.settle().mean_loss == as_floats.settle().mean_loss
+    assert as_tensors.loss_sum == 0.0
+
+
+def test_sums_taken_by_a_drain_are_not_replaced_by_zeros_until_something_reads_them():
+    g = PendingGradient(ELEMENTS)
+    g.add([torch.ones(6), torch.ones(4)], 2, 1.0)
+    taken = g.drain()
+    assert g._sums is None  # no zeros made (a launch per tensor on a GPU) that the next batch's gradient replaces
+    assert [t.tolist() for t in taken] == [[0.5] * 6, [0.5] * 4]
+    assert all(not s.any() for s in g.sums) and [s.numel() for s in g.sums] == list(ELEMENTS)
+    g.settle()
+    assert g._sums is None and g.mean()[0].tolist() == [0.0] * 6

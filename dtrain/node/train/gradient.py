@@ -43,18 +43,43 @@ class PendingGradient:
     def __init__(self, tensor_elements: Sequence[int]):
         # per tensor: sum(samples * grad), flat; in shared memory, since hivemind's processes fork after them
         # (node.memory)
-        self.sums = [memory.shared_zeros(n) for n in tensor_elements]
+        self._elements = list(tensor_elements)
+        self._sums: Optional[list[torch.Tensor]] = [memory.shared_zeros(n) for n in self._elements]
         self._untouched = True  # the sums are fresh zeros that nothing has written yet
         self.samples = 0
         self.packets = 0
         self.local_samples = 0  # samples of the node's own data (for --local-samples-per-update)
-        self.loss_sum = 0.0  # sum(samples * loss)
+        self._loss_sum = 0.0  # sum(samples * loss), without the terms still on the device
+        self._loss_terms: list[tuple[int, torch.Tensor]] = []  # (samples, loss) of passes on the device, in order
         self._carried_samples = self._carried_packets = 0  # of the pending ones: already missed an update
         self.applied_samples = self.applied_packets = 0
         self.carried_samples = self.carried_packets = 0
         self._drained_samples = 0  # of the pending ones: already in an inner update (low-communication mode)
         self._drained_local = 0  # of the local ones: already in an inner update
         self.device = torch.device("cpu")  # where the sums are (`move_to`)
+
+    @property
+    def sums(self) -> list[torch.Tensor]:
+        """Per tensor, flat: sum(samples * grad). Zeros are made when first read after a drain or settle, not
+        before: a batch's gradient usually becomes the sums itself (`add(adopt=True)`)."""
+        if self._sums is None:
+            self._sums = [self._zeros(n) for n in self._elements]
+        return self._sums
+
+    @sums.setter
+    def sums(self, tensors: list[torch.Tensor]) -> None:
+        self._sums = tensors
+
+    @property
+    def loss_sum(self) -> float:
+        """sum(samples * loss) of everything pending. A pass on a GPU leaves its loss there (reading it would make
+        the host wait for the pass); they are read here, in one transfer, and added in the order they came."""
+        if self._loss_terms:
+            values = torch.stack([loss for _, loss in self._loss_terms]).tolist()
+            for (samples, _), value in zip(self._loss_terms, values):
+                self._loss_sum += samples * value
+            self._loss_terms = []
+        return self._loss_sum
 
     def move_to(self, device: torch.device) -> None:
         """The sums live on `device` from now on: where the inner loop trains (a low-comm node's resident replica,
@@ -63,7 +88,7 @@ class PendingGradient:
         if self.samples or not self._untouched:
             raise RuntimeError("move_to() with a pending gradient")
         self.device = torch.device(device)
-        self.sums = [self._zeros(acc.numel()) for acc in self.sums]
+        self._sums = None  # zeros on the device when first read
 
     def _zeros(self, elements: int) -> torch.Tensor:
         if self.device.type == "cpu":  # calloc: no page until written (node.memory.lazy_zeros)
@@ -71,20 +96,24 @@ class PendingGradient:
         return torch.zeros(elements, device=self.device)
 
     def add(self, sums: Sequence, samples: int, loss_sum: float, packets: int = 0, local: bool = False,
-            adopt: bool = False) -> None:
+            adopt: bool = False, loss: Optional[torch.Tensor] = None) -> None:
         """`adopt`: `sums` are the caller's own contiguous fp32 tensors, which it gives up. Into an empty pending
         gradient they then become the sums themselves instead of being added to zeros (P less while a local batch's
-        gradient is added), with the same bytes: x + 0.0 turns a -0.0 into the 0.0 that zeros plus it makes."""
+        gradient is added), with the same bytes: x + 0.0 turns a -0.0 into the 0.0 that zeros plus it makes.
+        `loss`: the mean loss of a pass, as a tensor that may be on the device; then `loss_sum` is ignored and the
+        sum counts `samples * loss` once it is read."""
         parts = [torch.as_tensor(part).reshape(-1) for part in sums]
         if adopt and self._untouched and all(
                 part.dtype == torch.float32 and part.is_contiguous() and part.device == self.device for part in parts):
-            for part in parts:
-                part.add_(0.0)
+            torch._foreach_add_(parts, 0.0)  # one multi-tensor kernel on a GPU
             self.sums = parts
         else:
             for acc, part in zip(self.sums, parts):
                 acc.add_(part)
         self._untouched = False
+        if loss is not None:
+            self._loss_terms.append((samples, loss.detach()))
+            loss_sum = 0.0
         self._count(samples, loss_sum, packets, local)
 
     def add_parts(self, parts: Iterable[tuple[int, Optional[np.ndarray], np.ndarray]], samples: int, loss_sum: float,
@@ -110,7 +139,7 @@ class PendingGradient:
     def _count(self, samples: int, loss_sum: float, packets: int, local: bool = False) -> None:
         self.samples += samples
         self.packets += packets
-        self.loss_sum += loss_sum
+        self._loss_sum += loss_sum
         if local:
             self.local_samples += samples
 
@@ -122,22 +151,24 @@ class PendingGradient:
             add_sections(views, c.sections, float(c.samples))
             self.samples += c.samples
             self.packets += 1
-            self.loss_sum += c.samples * c.loss
+            self._loss_sum += c.samples * c.loss
 
     def drain(self) -> list[torch.Tensor]:
         """Low-communication mode: the mean of what was added since the last drain, for one inner update; the sums
         start empty, the counts stay pending until an outer update applies them (`settle`) or misses them (`carry`)."""
         fresh = self.samples - self._drained_samples
-        mean = [acc.div_(max(fresh, 1)) for acc in self._take_sums()]  # the sums themselves: no copy
+        mean = self._take_sums()
+        torch._foreach_div_(mean, max(fresh, 1))  # the sums themselves: no copy
         self._drained_samples, self._drained_local = self.samples, self.local_samples
         return mean
 
     def _take_sums(self) -> list[torch.Tensor]:
-        """The sums as they are, replaced by fresh zeros that take no page until written (node.memory.lazy_zeros),
-        so an empty pending gradient holds no memory (P) once the taken sums are dropped. Private memory: made after
-        hivemind's processes forked, they are shared with nobody (a shared file per tensor, made and punched out
-        at every inner update, cost a lone node an eighth of its time)."""
-        taken, self.sums = self.sums, [self._zeros(acc.numel()) for acc in self.sums]
+        """The sums as they are; the next read makes fresh zeros (that take no page until written on the CPU,
+        node.memory.lazy_zeros), unless a batch's gradient becomes the sums first. So an empty pending gradient holds
+        no memory (P) once the taken sums are dropped. Private memory: made after hivemind's processes forked, they
+        are shared with nobody (a shared file per tensor, made and punched out at every inner update, cost a lone
+        node an eighth of its time)."""
+        taken, self._sums = self.sums, None
         self._untouched = True
         return taken
 
@@ -171,9 +202,9 @@ class PendingGradient:
         applied = Applied(self.samples, self.packets, self.local_samples, self.loss_sum / max(self.samples, 1))
         self.applied_samples += self.samples
         self.applied_packets += self.packets
-        self._take_sums()
+        self._sums, self._untouched = None, True
         self.samples = self.packets = self.local_samples = 0
-        self.loss_sum = 0.0
+        self._loss_sum, self._loss_terms = 0.0, []
         self._carried_samples = self._carried_packets = self._drained_samples = self._drained_local = 0
         return applied
 

@@ -61,9 +61,11 @@ POLL_S = 0.25  # how long an idle training thread sleeps unless a hand-over wake
 # how long a joiner of a swarm at epoch 0 looks for the peers' record of its start before it downloads it: the
 # founder's is in the DHT from its start and refreshed every few seconds (node.swarm.agreement.KEEP_ALIVE_S)
 START_RECORD_WAIT_S = 10.0
-# low-comm on a GPU: the least time between served steps (--min-round-seconds), so that a browser that needs seconds
-# for a packet stays inside the late window of five steps
-DEFAULT_MIN_ROUND_S_GPU = 5.0
+# low-comm on a GPU: the least time between served steps (--min-round-seconds). A browser that needs seconds for a
+# packet stays inside the late window of five steps, and the outer round's work on the host (about a second for
+# GPT-2 small on an H200, where 5 s rounds held the node at 0.6x a plain loop) is a small part of each round. GPT-2
+# small at 8x64 makes about 400 inner updates in it, GPT-2 XL at 8x512 about 70: DiLoCo runs use H = 100-500
+DEFAULT_MIN_ROUND_S_GPU = 15.0
 TRIM_EVERY_S = 30.0  # how often the training thread hands the heap's free pages back (node.memory)
 # how long a joiner, announced, waits before it downloads: two of every node's looks at the announcements
 JOIN_ANNOUNCE_S = 2 * ANNOUNCE_EVERY_S
@@ -209,6 +211,8 @@ class TrainingNode:
             logger.warning("An update is still in flight; leaving the swarm without waiting for it")
             self.swarm.shutdown(timeout_s=SHUTDOWN_TIMEOUT_S)
             self._thread.join(2.0)
+        if self.publisher is not None:
+            self.publisher.background.close()
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
@@ -524,7 +528,8 @@ class TrainingNode:
         # autograd.grad, not backward(): the .grad buffers belong to hivemind (reuse_grad_buffers)
         batch = tokens.shape[0]
         loss, sums = self.compute.loss_and_grads(tokens, scale=batch)  # sum over the batch of each sample's gradient
-        self.gradient.add(sums, batch, batch * loss.item(), local=True, adopt=self.compute.owns_grads)
+        # the loss as a tensor: on a GPU, reading it now would make the host wait for the pass
+        self.gradient.add(sums, batch, 0.0, local=True, adopt=self.compute.owns_grads, loss=loss)
         del sums
 
     def catch_up(self) -> None:
