@@ -29,7 +29,7 @@ TINY_CONFIG = REPO / "configs" / "tiny.json"
 # it (the last flag wins) and send real gradients.
 REFERENCE_OFF = ("--reference-batch", "0")
 DIGEST_RE = re.compile(r"step (\d+) params sha256 ([0-9a-f]{64})")
-NORM_RE = re.compile(r"step (\d+) params sha256 [0-9a-f]{64} l2 (\S+)")
+NORM_RE = re.compile(r"step (\d+) params l2 (\S+)")  # logged a moment after the digest
 MADDR_RE = re.compile(r"^\s+(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\S+)\s*$")
 LOG_DIR = REPO / "test-artifacts" / "nodes"  # every test node's log, kept for reading after passing runs too
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dtrain.node import snapshot
+from dtrain.node.train import publication
 from dtrain.node.config import ConfigError, ModelConfig, NodeConfig, SwarmConfig, TrainConfig
 from dtrain.node.data import TokenDataset
 from dtrain.node.lowcomm.rounds import InnerRounds
@@ -26,9 +27,10 @@ def _inner_updates(node: TrainingNode) -> int:
 
 def test_a_lone_node_on_its_own_data_serves_a_step_per_outer_round_and_hashes_nothing_in_between(monkeypatch):
     """A node alone that trains on its own data makes --inner-steps inner updates per served step; its training
-    thread computes one digest and one snapshot per served step, none per inner update."""
-    digests, buffers = [], []
-    real_digest, real_buffer = snapshot.digest, snapshot._file_buffer
+    thread computes one digest and one snapshot per served step, none per inner update, and leaves the log's L2
+    norm to the publication's own thread."""
+    digests, buffers, norms = [], [], []
+    real_digest, real_buffer, real_norm = snapshot.digest, snapshot._file_buffer, publication.l2_norm
 
     def counted_digest(arrays):  # the real digest, noting which thread asked for it
         digests.append(threading.current_thread().name)
@@ -38,6 +40,11 @@ def test_a_lone_node_on_its_own_data_serves_a_step_per_outer_round_and_hashes_no
         buffers.append((threading.current_thread().name, name))
         return real_buffer(nbytes, name)
 
+    def counted_norm(snap):
+        norms.append((threading.current_thread().name, snap))
+        return real_norm(snap)
+
+    monkeypatch.setattr(publication, "l2_norm", counted_norm)
     monkeypatch.setattr(snapshot, "digest", counted_digest)
     monkeypatch.setattr(snapshot, "_file_buffer", counted_buffer)
     rng = np.random.default_rng(0)
@@ -48,6 +55,7 @@ def test_a_lone_node_on_its_own_data_serves_a_step_per_outer_round_and_hashes_no
     node.start()
     try:
         wait_until(lambda: node.step >= 4, 60, "three served steps")
+        node.publisher.background.wait()
     finally:
         node.stop()
     served = node.snapshot().updates
@@ -60,6 +68,9 @@ def test_a_lone_node_on_its_own_data_serves_a_step_per_outer_round_and_hashes_no
     assert len(training) == served and len(snapshots) == served  # one per served step, not per inner update
     assert len(node.losses()) == served  # one loss per served step: the mean over its inner updates' samples
     assert node.status().applied_samples == 3 * 2 * served  # each served step applied its three batches of 2
+    assert norms and all(t.startswith("dtrain-publication") for t, _ in norms)  # none on the training thread
+    steps = [snap.step for _, snap in norms]  # the start's step and the served ones, each once at most
+    assert len(set(steps)) == len(steps) and set(steps) <= set(range(1, node.step + 1))
 
 
 def _rounds(min_round_s: float, clock) -> InnerRounds:
@@ -87,7 +98,7 @@ def test_a_round_is_due_after_its_inner_steps_and_its_least_duration():
 
 
 def test_min_round_seconds_defaults_by_device_and_is_bounded():
-    assert SwarmConfig().min_round_s is None  # resolved by the node: 0 on a CPU, 5 s on a GPU
+    assert SwarmConfig().min_round_s is None  # resolved by the node: 0 on a CPU, 15 s on a GPU
     with pytest.raises(ConfigError, match="min_round_s"):
         SwarmConfig(min_round_s=-1.0)
     config = NodeConfig(swarm=SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), run_id=new_run_id()))

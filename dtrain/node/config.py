@@ -132,7 +132,7 @@ class SwarmConfig:
     # browser that needs seconds for a packet would find the node more than five steps further (409)
     min_round_s: Optional[float] = option(None, "--min-round-seconds", "low-comm: a node's outer round is due "
                                           "once it made --inner-steps inner updates and this many seconds passed "
-                                          "since the round's first one (default: 0 on a CPU, 5 on a GPU)")
+                                          "since the round's first one (default: 0 on a CPU, 15 on a GPU)")
     outer_lr: float = option(0.7, "--outer-lr", "low-comm: outer Nesterov SGD learning rate")
     outer_momentum: float = option(0.9, "--outer-momentum", "low-comm: outer Nesterov SGD momentum")
     wire_codec: str = option("sparse", "--wire-codec", "low-comm: the pseudo-gradient on the wire: fp16 or fp32 "

@@ -7,12 +7,15 @@ that what the update's round held is gone first), what a downloading peer gets (
 range donor's copy), the log line and the listeners. Inner updates between served steps are the node's own: they are
 not hashed, copied or recorded. An update is published in three calls, so that the low-comm loop can let its round's
 buffers go between them: `agree`, `snapshot_of`, `served`. Training thread only; other threads read `snapshot`.
+What nothing waits for (the parameters' L2 norm for the log, handing the heap's free pages back) runs on a thread of
+its own (`Background`): on a GPU node the inner loop goes on meanwhile.
 """
 from __future__ import annotations
 
 import threading
 import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
 
 import torch
@@ -44,6 +47,7 @@ class StepPublisher:
         self._update_listeners: list[Callable[[float], None]] = []
         self.last_update_s = 0.0  # how long the last update took, all of it (0 before the first)
         self._last_served_at = time.monotonic()
+        self.background = Background()
 
     def add_snapshot_listener(self, callback: Callable[[Snapshot], None]) -> None:
         self._snapshot_listeners.append(callback)
@@ -81,7 +85,7 @@ class StepPublisher:
             self.gradient.carry()
         if snap is not None:
             self.publish(snap)
-        memory.trim()  # what the update freed (round buffers, the snapshot's making) stays out of the heap it reuses
+        self.background.trim()  # what the update freed (round buffers, the snapshot's making) leaves the heap
         now = time.monotonic()
         took_s, since_s = now - started, now - self._last_served_at
         self._last_served_at = now
@@ -111,8 +115,9 @@ class StepPublisher:
         snapshot's bytes and the outer state of their epoch, never the inner updates' parameters), and for the
         listeners. Its log line comes first: whoever sees the step served (the status, a peer) finds its digest in
         the log."""
-        logger.info(f"step {snap.step} params sha256 {snap.digest} l2 {l2_norm(snap):.12e}")
+        logger.info(f"step {snap.step} params sha256 {snap.digest}")
         self.snapshot = snap
+        self.background.log_norm(snap)
         averager = self.swarm.optimizer.state_averager
         if self.donor is not None:  # the outer momentum of this epoch, copied before the next outer step moves it
             momentum = [averager.optimizer.state[p]["momentum_buffer"] for p in self.model.parameters()]
@@ -131,6 +136,40 @@ class StepPublisher:
         peer."""
         if not self.swarm.client_mode:
             self.swarm.optimizer.state_averager.allow_state_sharing = True
+
+
+class Background:
+    """A served step's work that nothing waits for, on one thread of its own: the log line of the parameters' L2
+    norm, and handing the heap's free pages back (node.memory.trim). At most one job of each kind waits: a step served
+    while the last norm is still being computed logs none (the norm is for people reading the log; the digest is what
+    peers agree on), and one trim covers everything freed before it runs."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtrain-publication")
+        self._norm: Optional[Future] = None
+        self._trim: Optional[Future] = None
+
+    def log_norm(self, snap: Snapshot) -> None:
+        if self._norm is None or self._norm.done():
+            self._norm = self._pool.submit(_log_norm, snap)
+
+    def trim(self) -> None:
+        if self._trim is None or self._trim.done():
+            self._trim = self._pool.submit(memory.trim)
+
+    def wait(self, timeout_s: float = 60.0) -> None:
+        """Until the jobs submitted so far are done (tests, and a node that stops)."""
+        self._pool.submit(lambda: None).result(timeout_s)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _log_norm(snap: Snapshot) -> None:
+    try:
+        logger.info(f"step {snap.step} params l2 {l2_norm(snap):.12e}")
+    except Exception as e:  # the snapshot's memory went with a node that stopped
+        logger.warning(f"step {snap.step}: no L2 norm ({e})")
 
 
 def l2_norm(snap: Snapshot) -> float:
