@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The checks that need a CUDA GPU, as one run that fits a short lease (10 minutes at most): the `gpu` tests, then
-# bench/bench_hardware.py's rows of a node against a plain loop on the GPU, most wanted first, each bounded on its
-# own so that what finished is kept. nvidia-smi samples the GPU's utilisation all along (gpu_util.log).
+# The checks that need a CUDA GPU, as one run that fits a short lease (BUDGET_S, 9 minutes by default): the `gpu`
+# tests, then bench/bench_hardware.py's rows of a node against a plain loop on the GPU, most wanted first, each
+# bounded on its own so that what finished is kept. nvidia-smi samples the GPU's utilisation all along
+# (gpu_util.log).
 #
 # The machine has Python 3.12 with a CUDA torch, transformers and most of what dtrain needs, and no network: hivemind
 # and the rest travel as cp312 wheels in .whl/ (ignored by git), each at constraints.txt's version (numpy too: 2.4
@@ -12,6 +13,8 @@
 #     OUT=/some/dir bash bench/gpu_check.sh      # logs and tables land in $OUT
 set -u
 OUT=${OUT:-/tmp/gpu_check}
+BUDGET_S=${BUDGET_S:-540}  # the whole script, the wheels' install included
+DEADLINE=$(( $(date +%s) + BUDGET_S ))
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -43,11 +46,20 @@ timeout -k 10 100 python3 -m pytest -p no:cacheprovider -W default -q -rs -m gpu
   >"$OUT/gpu_tests.log" 2>&1
 echo "gpu tests: rc $?"; tail -12 "$OUT/gpu_tests.log"
 
-# each line's rows and its progress (stderr) go to hw.md and hw.err; -k: a node's stop may take its 30 s
-HW=(python3 bench/bench_hardware.py --device cuda --window 15 --warmup 8 --quiet-wait 0 --ready-timeout 120)
-hw() { local limit=$1; shift; echo "== $*" >>"$OUT/hw.err"; timeout -k 40 "$limit" "${HW[@]}" "$@" 2>>"$OUT/hw.err" \
-  | tee -a "$OUT/hw.md"; }
-hw 160 --configs configs/gpt2-small.json --shapes 8x64 --runs alone swarm
-hw 150 --configs configs/gpt2-small.json configs/gpt2-medium.json --shapes 16x512 --runs alone
-hw 100 --configs configs/gpt2-xl.json --shapes 8x512 --runs alone
-hw 50 --configs configs/gpt2-small.json --shapes 8x64 --runs alone --modes per-step
+# each line's rows and its progress (stderr) go to hw.md and hw.err, each line bounded by its own limit and by what
+# is left of BUDGET_S (a line with under a minute left is skipped); -k: a node's stop may take its 30 s
+HW=(python3 bench/bench_hardware.py --device cuda --window 30 --warmup 8 --quiet-wait 0 --ready-timeout 120)
+hw() {
+  local limit=$1; shift
+  local left=$(( DEADLINE - $(date +%s) ))
+  (( left < limit )) && limit=$left
+  if (( limit < 60 )); then echo "== skipped (${limit}s left): $*" >>"$OUT/hw.err"; return; fi
+  echo "== $*" >>"$OUT/hw.err"
+  timeout -k 40 "$limit" "${HW[@]}" "$@" 2>>"$OUT/hw.err" | tee -a "$OUT/hw.md"
+}
+hw 130 --configs configs/gpt2-small.json --shapes 8x64 --runs alone
+hw 130 --configs configs/gpt2-small.json --shapes 16x512 --runs alone
+hw 170 --configs configs/gpt2-xl.json --shapes 8x512 --runs alone
+hw 150 --configs configs/gpt2-small.json --shapes 8x64 --runs swarm
+hw 120 --configs configs/gpt2-medium.json --shapes 16x512 --runs alone
+hw 80 --configs configs/gpt2-small.json --shapes 8x64 --runs alone --modes per-step
