@@ -487,7 +487,7 @@ class TrainingNode:
         # this peer's records to expire in a swarm waiting for peers or idle
         self.agreement.keep_alive()
         if time.monotonic() >= self._next_trim:  # the free pages the training passes left in the heap (node.memory)
-            memory.trim()
+            self.publisher.background.trim()  # off this thread
             self._next_trim = time.monotonic() + TRIM_EVERY_S
         epoch = self.swarm.epoch
         if self.config.checkpoint_dir and epoch - self._last_checkpoint_epoch >= self.config.checkpoint_every:
