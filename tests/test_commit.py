@@ -185,11 +185,30 @@ def test_a_member_slow_within_the_commit_window_does_not_abort_the_round(committ
         assert values == [2.0], f"member {i} was handed {values}, not the average over all three (2.0)"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="hivemind's own averager hands members partial averages: what node.commit "
-                                       "prevents")
+FLAW_TRIES = 3
+
+
 def test_without_the_commit_step_members_apply_partial_averages():
+    """hivemind's own averager under the same freeze: a member applies a partial average, or the members decide
+    differently, which is what node.commit prevents. Which of hivemind's outcomes a freeze gives depends on timing
+    (on a loaded machine every member may give up on the round, all or nothing by chance), so the freeze is tried
+    up to FLAW_TRIES rounds, and one of them must show the flaw."""
     with averagers(lambda i, owner: freezable(GradientAverager)) as members:
-        assert_all_or_nothing(run_round(members, freeze=True))
+        seen = []
+        for _ in range(FLAW_TRIES):
+            outcomes = run_round(members, freeze=True)
+            seen.append([(type(result).__name__, values) for result, values in outcomes])
+            if not all_or_nothing(outcomes):
+                return
+    pytest.fail(f"hivemind's averager decided all or nothing in {FLAW_TRIES} frozen rounds: {seen}")
+
+
+def all_or_nothing(outcomes) -> bool:
+    try:
+        assert_all_or_nothing(outcomes)
+    except AssertionError:
+        return False
+    return True
 
 
 def assert_all_or_nothing(outcomes) -> None:
