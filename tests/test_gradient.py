@@ -109,17 +109,16 @@ def test_an_adopted_gradient_becomes_the_empty_sums_with_the_bytes_of_zeros_plus
 
 
 def test_losses_left_as_tensors_count_in_the_order_they_came_with_the_bytes_floats_would_give():
-    losses = [torch.tensor(2.7182817), torch.tensor(0.1), torch.tensor(3.3333333)]
-    as_floats, as_tensors = PendingGradient(ELEMENTS), PendingGradient(ELEMENTS)
+    # float64 sums depend on their order: 1 + 1 + 2**53 + 1 is 2**53 + 4, 2**53 + 1 + 1 + 1 is 2**53
     parts = [torch.ones(6), torch.ones(4)]
-    as_floats.add(parts, 8, 8 * losses[0].item(), local=True)
-    as_floats.add_contributions([_contribution(3, 1.7, np.ones(6), [1], [1.0])])
-    as_floats.add(parts, 5, 5 * losses[1].item(), local=True)
-    as_floats.add(parts, 8, 8 * losses[2].item(), local=True)
-    as_tensors.add(parts, 8, 0.0, local=True, loss=losses[0])
-    as_tensors.add_contributions([_contribution(3, 1.7, np.ones(6), [1], [1.0])])
-    as_tensors.add(parts, 5, 0.0, local=True, loss=losses[1])
-    as_tensors.add(parts, 8, 0.0, local=True, loss=losses[2])
+    packet = _contribution(1, float(2 ** 53), np.ones(6), [1], [1.0])
+    as_floats, as_tensors = PendingGradient(ELEMENTS), PendingGradient(ELEMENTS)
+    for g, deferred in ((as_floats, False), (as_tensors, True)):
+        for _ in range(2):
+            g.add(parts, 1, 0.0, local=True, loss=torch.tensor(1.0)) if deferred else g.add(parts, 1, 1.0, local=True)
+        g.add_contributions([packet])
+        g.add(parts, 1, 0.0, local=True, loss=torch.tensor(1.0)) if deferred else g.add(parts, 1, 1.0, local=True)
+    assert as_floats.loss_sum == 2.0 ** 53 + 4
     assert as_tensors.loss_sum == as_floats.loss_sum  # the same float64 sum, term by term
     assert as_tensors.settle().mean_loss == as_floats.settle().mean_loss
     assert as_tensors.loss_sum == 0.0

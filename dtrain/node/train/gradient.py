@@ -49,8 +49,9 @@ class PendingGradient:
         self.samples = 0
         self.packets = 0
         self.local_samples = 0  # samples of the node's own data (for --local-samples-per-update)
-        self._loss_sum = 0.0  # sum(samples * loss), without the terms still on the device
-        self._loss_terms: list[tuple[int, torch.Tensor]] = []  # (samples, loss) of passes on the device, in order
+        self._loss_sum = 0.0  # sum(samples * loss) up to the first term still on the device
+        # from there on, every term in the order it came: (samples, a pass's loss tensor), or (None, samples * loss)
+        self._loss_terms: list[tuple[Optional[int], torch.Tensor | float]] = []
         self._carried_samples = self._carried_packets = 0  # of the pending ones: already missed an update
         self.applied_samples = self.applied_packets = 0
         self.carried_samples = self.carried_packets = 0
@@ -75,11 +76,17 @@ class PendingGradient:
         """sum(samples * loss) of everything pending. A pass on a GPU leaves its loss there (reading it would make
         the host wait for the pass); they are read here, in one transfer, and added in the order they came."""
         if self._loss_terms:
-            values = torch.stack([loss for _, loss in self._loss_terms]).tolist()
-            for (samples, _), value in zip(self._loss_terms, values):
-                self._loss_sum += samples * value
+            values = iter(torch.stack([v for n, v in self._loss_terms if n is not None]).tolist())
+            for samples, value in self._loss_terms:
+                self._loss_sum += value if samples is None else samples * next(values)
             self._loss_terms = []
         return self._loss_sum
+
+    def _add_loss(self, loss_sum: float) -> None:
+        if self._loss_terms:  # after a term still on the device: kept in order behind it
+            self._loss_terms.append((None, loss_sum))
+        else:
+            self._loss_sum += loss_sum
 
     def move_to(self, device: torch.device) -> None:
         """The sums live on `device` from now on: where the inner loop trains (a low-comm node's resident replica,
@@ -111,10 +118,7 @@ class PendingGradient:
             for acc, part in zip(self.sums, parts):
                 acc.add_(part)
         self._untouched = False
-        if loss is not None:
-            self._loss_terms.append((samples, loss.detach()))
-            loss_sum = 0.0
-        self._count(samples, loss_sum, packets, local)
+        self._count(samples, loss_sum, packets, local, loss)
 
     def add_parts(self, parts: Iterable[tuple[int, Optional[np.ndarray], np.ndarray]], samples: int, loss_sum: float,
                   packets: int = 0) -> None:
@@ -136,10 +140,14 @@ class PendingGradient:
                 acc[coords] += values
         self._count(samples, loss_sum, packets)
 
-    def _count(self, samples: int, loss_sum: float, packets: int, local: bool = False) -> None:
+    def _count(self, samples: int, loss_sum: float, packets: int, local: bool = False,
+               loss: Optional[torch.Tensor] = None) -> None:
         self.samples += samples
         self.packets += packets
-        self._loss_sum += loss_sum
+        if loss is not None:
+            self._loss_terms.append((samples, loss.detach()))
+        else:
+            self._add_loss(loss_sum)
         if local:
             self.local_samples += samples
 
@@ -151,7 +159,7 @@ class PendingGradient:
             add_sections(views, c.sections, float(c.samples))
             self.samples += c.samples
             self.packets += 1
-            self._loss_sum += c.samples * c.loss
+            self._add_loss(c.samples * c.loss)
 
     def drain(self) -> list[torch.Tensor]:
         """Low-communication mode: the mean of what was added since the last drain, for one inner update; the sums
