@@ -67,7 +67,7 @@ from dtrain.node.data import TokenDataset  # noqa: E402
 from dtrain.node.device import Device, resolve  # noqa: E402
 from dtrain.node.model import build_model  # noqa: E402
 from dtrain.node.train.adamw import decay_groups  # noqa: E402
-from bench_memory import held_bytes, tree  # noqa: E402  (bench/ is this script's folder)
+from bench_memory import gpu_bytes_by_pid, held_bytes, tree  # noqa: E402  (bench/ is this script's folder)
 from tests.nodeproc import free_port, kill_node  # noqa: E402
 from dtrain.node.tokenizer import load_tokenizer  # noqa: E402
 
@@ -157,23 +157,6 @@ def machine_cpu_seconds() -> float:
     with open("/proc/stat") as f:
         fields = [int(x) for x in f.readline().split()[1:]]
     return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def gpu_bytes_by_pid() -> dict[int, int]:
-    """The GPU memory each process holds (nvidia-smi's compute apps); empty where there is no nvidia-smi."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
-    held = {}
-    for line in out.splitlines():
-        try:
-            pid, mib = (int(x) for x in line.split(","))
-        except ValueError:
-            continue
-        held[pid] = held.get(pid, 0) + mib * (1 << 20)
-    return held
 
 
 def wait_quiet(nodes: list, max_wait_s: float, busy_cores: float = 0.3, sample_s: float = 3.0) -> None:

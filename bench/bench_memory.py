@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -66,6 +67,23 @@ def held_bytes(pid: int) -> int:
             continue  # exited between the listing and the read
         files.update(memory.shared_files(p))
     return total + sum(files.values())
+
+
+def gpu_bytes_by_pid() -> dict[int, int]:
+    """The GPU memory each process holds (nvidia-smi's compute apps); empty where there is no nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    held = {}
+    for line in out.splitlines():
+        try:
+            pid, mib = (int(x) for x in line.split(","))
+        except ValueError:
+            continue
+        held[pid] = held.get(pid, 0) + mib * (1 << 20)
+    return held
 
 
 def measure(name: str, sync: str, updates: int, ready_timeout_s: float, train_timeout_s: float) -> dict:

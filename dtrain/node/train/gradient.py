@@ -115,8 +115,7 @@ class PendingGradient:
             torch._foreach_add_(parts, 0.0)  # one multi-tensor kernel on a GPU
             self.sums = parts
         else:
-            for acc, part in zip(self.sums, parts):
-                acc.add_(part)
+            torch._foreach_add_(self.sums, parts)
         self._untouched = False
         self._count(samples, loss_sum, packets, local, loss)
 

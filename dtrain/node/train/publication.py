@@ -146,19 +146,21 @@ class Background:
 
     def __init__(self):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtrain-publication")
-        self._norm: Optional[Future] = None
-        self._trim: Optional[Future] = None
+        self._pending: dict[Callable, Future] = {}  # per kind of job, the last one submitted
+
+    def _submit(self, job: Callable, *args) -> None:
+        last = self._pending.get(job)
+        if last is None or last.done():
+            self._pending[job] = self._pool.submit(job, *args)
 
     def log_norm(self, snap: Snapshot) -> None:
-        if self._norm is None or self._norm.done():
-            self._norm = self._pool.submit(_log_norm, snap)
+        self._submit(_log_norm, snap)
 
     def trim(self) -> None:
-        if self._trim is None or self._trim.done():
-            self._trim = self._pool.submit(memory.trim)
+        self._submit(memory.trim)
 
     def wait(self, timeout_s: float = 60.0) -> None:
-        """Until the jobs submitted so far are done (tests, and a node that stops)."""
+        """Until the jobs submitted so far are done (tests)."""
         self._pool.submit(lambda: None).result(timeout_s)
 
     def close(self) -> None:

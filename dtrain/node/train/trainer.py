@@ -66,7 +66,7 @@ START_RECORD_WAIT_S = 10.0
 # GPT-2 small on an H200, where 5 s rounds held the node at 0.6x a plain loop) is a small part of each round. GPT-2
 # small at 8x64 makes about 400 inner updates in it, GPT-2 XL at 8x512 about 70: DiLoCo runs use H = 100-500
 DEFAULT_MIN_ROUND_S_GPU = 15.0
-TRIM_EVERY_S = 30.0  # how often the training thread hands the heap's free pages back (node.memory)
+TRIM_EVERY_S = 30.0  # how often the heap's free pages go back besides each served step (node.memory)
 # how long a joiner, announced, waits before it downloads: two of every node's looks at the announcements
 JOIN_ANNOUNCE_S = 2 * ANNOUNCE_EVERY_S
 
