@@ -1,10 +1,11 @@
 """hivemind.Optimizer as the node needs it (`SwarmOptimizer`).
 
-Five changes to hivemind's: a gradient round is applied whole or not at all (node.swarm.commit), it applies the
+Six changes to hivemind's: a gradient round is applied whole or not at all (node.swarm.commit), it applies the
 node's exact gradient whenever the swarm's average is unavailable, a client-mode peer never updates without the
-swarm's average, it reports each update's outcome (which peers' gradients went into it), and an update also begins
+swarm's average, it reports each update's outcome (which peers' gradients went into it), an update also begins
 when the swarm's pending samples stop growing (node.swarm.tracker), so a swarm keeps its pace when a peer leaves
-whatever target it was started with.
+whatever target it was started with, and a round's group closes once the peers at the swarm's epoch are in it
+(node.swarm.groupsize), not when matchmaking's time is up.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from hivemind.utils.logging import get_logger
 from dtrain.node.lowcomm.deadline import Deadline
 from dtrain.node.swarm.commit import AbortedRound, chunk_timeout
 from dtrain.node.swarm.deadlines import Retimable, RoundClock
+from dtrain.node.swarm.groupsize import ExpectedGroup
 from dtrain.node.swarm.state import SwarmStateAverager
 from dtrain.node.swarm.tracker import PacedTracker
 
@@ -142,6 +144,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             # took the round as failed and updated alone while its averager went on, found a group and averaged
             # this peer's gradient into the others' update, which the peer, having lost the agreement, then carried
             # into a later one too. With the swarm's deadline the round is decided within the wait.
+            self._expect_group()
             self.scheduled_grads = self.grad_averager.schedule_step(timeout=self.averaging_timeout)
         began = super()._begin_averaging_gradients(grad_scaler)
         if not began:
@@ -252,7 +255,13 @@ class SwarmOptimizer(hivemind.Optimizer):
     # cancelled only if they leave in between.
     def _maybe_schedule_gradient_averaging(self) -> None:
         if self.tracker.global_progress.num_peers > 1:
+            self._expect_group()
             super()._maybe_schedule_gradient_averaging()
+
+    def _expect_group(self) -> None:
+        """The next round's group closes once the peers at the swarm's epoch are in it (node.swarm.groupsize)."""
+        if isinstance(self.grad_averager, ExpectedGroup):
+            self.grad_averager.expect_group(self.tracker.global_progress.num_peers)
 
     def _maybe_schedule_state_averaging(self) -> None:
         if self.tracker.global_progress.num_peers > 1:

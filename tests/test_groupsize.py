@@ -1,0 +1,57 @@
+"""A round's group closes when the peers it expects are in it (node.swarm.groupsize), on two real hivemind gradient
+averagers with the commit step on 127.0.0.1. Member i holds the gradient i + 1 everywhere, so a result of 1.5 is the
+average of both."""
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import pytest
+import torch
+
+from dtrain.node.swarm.commit import CommittingGradientAverager
+from tests.test_commit import applied, averagers
+
+pytestmark = pytest.mark.swarm
+
+MATCHMAKING_S = 6.0  # hivemind's leader keeps its group open this long unless the group is full
+OPTS = dict(min_matchmaking_time=MATCHMAKING_S, allreduce_timeout=10.0, next_chunk_timeout=3.0, request_timeout=1.0,
+            min_group_size=2)
+STEP_TIMEOUT_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def pair():
+    grads = [torch.full((1000,), float(i + 1)) for i in range(2)]
+    factory = lambda i, owner: partial(CommittingGradientAverager, record_subkey=owner.subkey)
+    with averagers(factory, grads=grads, **OPTS) as members:
+        yield members
+
+
+def timed_round(members, expect: int) -> float:
+    """One round in which every member expects `expect` peers (0: no expectation, hivemind's own matchmaking);
+    asserts each member applied the average of both, returns the round's seconds."""
+    for _, averager in members:
+        averager.expect_group(expect)
+        averager.accumulate_grads_(batch_size=1)
+    began = time.monotonic()
+    controls = [averager.step(wait=False, timeout=STEP_TIMEOUT_S, allow_retries=False) for _, averager in members]
+    results = [control.result(2 * STEP_TIMEOUT_S) for control in controls]
+    took = time.monotonic() - began
+    for i, (result, (param, averager)) in enumerate(zip(results, members)):
+        assert applied(result) and len(result) == 2, f"member {i}: {result}"
+        with averager.use_averaged_gradients():
+            assert torch.unique(param.grad).tolist() == [1.5], f"member {i} was not handed the average of both"
+    return took
+
+
+def test_the_group_closes_when_every_expected_peer_is_in_it(pair):
+    waited = timed_round(pair, expect=0)
+    assert waited >= MATCHMAKING_S - 1.5, f"without an expectation the group closed after {waited:.1f}s"
+    closed = timed_round(pair, expect=2)
+    assert closed < MATCHMAKING_S / 2, f"both peers were in the group, yet it closed after {closed:.1f}s"
+
+
+def test_a_group_that_expected_more_peers_closes_at_its_time_with_those_who_came(pair):
+    took = timed_round(pair, expect=3)
+    assert took >= MATCHMAKING_S - 1.5, f"a group of 2 that expected 3 closed after {took:.1f}s"
