@@ -4,7 +4,8 @@ The tiers are pyproject's markers: `unit` (pure, in-process), `http` (a node's r
 `browser` (headless Chromium), `swarm` (several real nodes), `netns` (network namespaces), `gpu`, `install` (a
 wheel of this tree installed into a fresh environment). A module says
 which with `pytestmark = pytest.mark.<tier>` (or a list holding one); a module without one, or with two, or a
-test marked with a tier of its own, fails collection with a message that names it. `make test-fast` runs `-m "unit or http"`.
+test marked with a tier of its own, fails collection with a message that names it. `make test-fast` runs
+`-m "(unit or http) and not slow"`: `slow` is no tier, it marks a unit or http test that takes seconds.
 
 The suite runs the slow tiers first (`RUN_ORDER`): `make test` spreads it over two pytest-xdist workers that each take
 the other's remaining tests when done (`--dist worksteal`), and the minutes-long tests, started first, end together

@@ -83,6 +83,7 @@ def corpus_node(tmp_path_factory):
         proc.kill()
 
 
+@pytest.mark.slow
 def test_default_corpus_is_handed_out_but_not_trained_on(corpus_node):
     stream = corpus.default_tokens()
     for _ in range(3):

@@ -74,6 +74,7 @@ def _info(node) -> dict:
     return node.get_json("/api/v1/model/info")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fmt", ["f16", "f32"])
 def test_contributor_moves_a_node_one_update_per_packet(node, files, mode, fmt):
@@ -120,6 +121,7 @@ def test_packet_and_error_feedback(mode, flags):
         c.residual = c.pending_residual  # what submit does on 200
 
 
+@pytest.mark.slow
 def test_cli(node, files):
     before = _info(node)["step"]
     out = subprocess.run([sys.executable, "-m", "dtrain.clients.contribute", "--node", node.url, "--data",
@@ -139,6 +141,7 @@ def test_cli_rejects_bad_flags(capsys):
         assert word in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_contributor_with_batches_from_the_node(data_node, mode):
     node = data_node

@@ -61,6 +61,7 @@ print(json.dumps([default, set_to, seen]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threads", [1, 0])
 def test_the_thread_budget_reaches_torch_in_every_thread_of_the_process(threads):
     # a process of its own: torch takes the inter-op count once per process

@@ -28,6 +28,7 @@ def test_grading_reads_the_first_line_and_gives_partial_credit():
     assert flywheel.grade("", "cat") == 0.0
 
 
+@pytest.mark.slow
 def test_one_round_of_the_flywheel_trains_the_served_model(capsys):
     flywheel = _flywheel()
     result = flywheel.main(["--rounds", "1", "--samples", "4"])

@@ -40,6 +40,7 @@ print(faults() - before)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_training_passes_reuse_the_heap_where_the_capped_threshold_maps_fresh_pages():
     def page_faults(mode: str) -> int:

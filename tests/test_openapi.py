@@ -253,6 +253,7 @@ def _scored_out(node) -> None:
     assert status == 403 and "openapi-flipper" in body["message"], body
 
 
+@pytest.mark.slow
 def test_every_documented_status_is_answered_and_no_other(nodes):
     doc = nodes["node"].get_json("/api/v1/openapi.json")
     assert doc == openapi.document()

@@ -64,6 +64,7 @@ def ledger(node) -> dict:
     return {r["node_id"]: r for r in node.get_json("/api/v1/contributors?limit=1000")["contributors"]}
 
 
+@pytest.mark.slow
 def test_each_attack_as_real_packets_leaves_the_honest_mean_exact(tmp_path):
     """One hand-over per attack: two honest contributors and the attack. An attack the defaults count 0 leaves the
     bytes of one AdamW step on the two honest packets' exact mean; the others are bounded and counted."""
@@ -152,6 +153,7 @@ def test_each_attack_as_real_packets_leaves_the_honest_mean_exact(tmp_path):
         node.kill()
 
 
+@pytest.mark.slow
 def test_a_persistently_disagreeing_contributor_is_refused_with_403(tmp_path):
     node = start(tmp_path, "scored", min_nodes=1)
     try:

@@ -297,6 +297,7 @@ def test_frame_past_aiohttp_limit_closes_with_1009(nodes):
 # ---- sessions across model steps ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_stale_session_is_refused_after_a_step(training_node, wte):
     node = training_node
     hidden = embed(wte, [10, 20, 30, 40])

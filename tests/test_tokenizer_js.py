@@ -76,6 +76,7 @@ def _check(text: str, text_path: Path, tmp_path: Path, py_tokenizer, label: str)
     print(f"{label}: compared {len(expected)} tokens, identical; JS roundtrip exact")
 
 
+@pytest.mark.slow
 def test_shakespeare_parity(tmp_path, py_tokenizer):
     text = shakespeare(1_115_394)  # as many characters as tinyshakespeare
     path = tmp_path / "shakespeare.txt"

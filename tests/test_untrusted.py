@@ -196,6 +196,7 @@ def test_a_contributor_over_its_rate_gets_429_with_retry_after(node):
 # the opt-in direction check (--min-cosine) on a real node: its reference is the node's own Adam momentum
 
 
+@pytest.mark.slow
 def test_direction_check_drops_a_packet_against_the_momentum_and_nothing_else(tmp_path):
     (tmp_path / "train.json").write_text(json.dumps({**TRAIN, "min_nodes_for_update": 1}))
     proc = InProcessNode("direction", ["--model-config", str(TINY_CONFIG), "--train-config", str(tmp_path / "train.json"),
