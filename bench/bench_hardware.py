@@ -10,11 +10,12 @@ For each model config and batch shape, one after the other on this machine:
    up, then steps run until --window seconds are up; samples/s is steps x batch over the timed steps' wall time
    (CUDA synchronized before and after).
 2. node alone: one `python -m dtrain.cli` process of the tree this bench lives in (PYTHONPATH set to it), default
-   flags except the model, the text (--train-data), the batch shape, the device, the --sync mode, a free --port and
-   a run id of its own, listening on 127.0.0.1 only. After it printed its join hint, it warms up for --warmup seconds
-   and until its first update; then its `/api/v1/swarm/status` is read twice, --window seconds apart. The samples it
-   trained are applied_samples + pending_samples (pending: trained, not yet applied by an (outer) update; an update
-   moves them to applied, so the sum only grows); samples/s is the difference over the time between the reads.
+   flags except the model, the text (--train-data), the batch shape, the device, the --sync mode, --node-args, a
+   free --port and a run id of its own, listening on 127.0.0.1 only. After it printed its join hint, it warms up for
+   --warmup seconds and until its first update; then its `/api/v1/swarm/status` is read twice, --window seconds
+   apart. The samples it trained are applied_samples + pending_samples (pending: trained, not yet applied by an
+   (outer) update; an update moves them to applied, so the sum only grows); samples/s is the difference over the
+   time between the reads.
 3. two nodes: node A as above until its first update, then node B with A's printed multiaddrs as --initial-peers
    and the same flags. The window opens once B has made an update of the swarm since it answered, A trained since B
    was ready, and --warmup seconds went by since then; the swarm's samples/s is the sum of both nodes' differences
@@ -328,12 +329,13 @@ class NodeRun:
     ready_timeout_s: float
     quiet_wait_s: float
     workdir: Path
+    extra: tuple[str, ...] = ()  # --node-args
     failures: list = field(default_factory=list)
 
     def args(self) -> list[str]:
         return ["--model-config", str(self.model_config), "--train-data", str(self.text),
                 "--local-batch-size", str(self.batch), "--local-seq-len", str(self.seq_len),
-                "--device", self.device, "--sync", self.mode]
+                "--device", self.device, "--sync", self.mode, *self.extra]
 
     def run(self, kind: str) -> Optional[list[dict]]:
         run_id, nodes = f"bench-hw-{uuid.uuid4().hex[:8]}", []
@@ -421,6 +423,8 @@ def main() -> None:
                     help="node rows: one node alone, two nodes on 127.0.0.1")
     ap.add_argument("--text", type=Path, help="text file to train on (default: the packaged corpus, written to a "
                                               "temporary file for the nodes' --train-data)")
+    ap.add_argument("--node-args", default="", help="more dtrain-node flags for every node row, e.g. "
+                    "\"--torch-threads 1\" (two nodes that share the cores then do not oversubscribe them)")
     ap.add_argument("--window", type=float, default=60.0, help="timed seconds of each row")
     ap.add_argument("--warmup", type=float, default=30.0, help="node rows: seconds after ready (or after B joined) "
                                                                "before the window, and at least until an update")
@@ -472,10 +476,12 @@ def main() -> None:
                 for mode in args.modes:
                     for kind in args.runs:
                         t0 = time.monotonic()
-                        what = "node alone" if kind == "alone" else "two nodes"
+                        what = ("node alone" if kind == "alone" else "two nodes") + \
+                            (f", {args.node_args}" if args.node_args else "")
                         say(f"{name} {label} on {node_device}, {mode}: {what}")
                         runner = NodeRun(path, text, batch, seq_len, node_device, mode, args.window, args.warmup,
-                                         args.ready_timeout, args.quiet_wait, workdir)
+                                         args.ready_timeout, args.quiet_wait, workdir,
+                                         tuple(shlex.split(args.node_args)))
                         per_node = runner.run(kind)
                         failures += runner.failures
                         if per_node is None:
