@@ -8,7 +8,9 @@ node sets that count as the leader's target: the group forms the moment the last
 
 A count that is too high costs what it always cost: the group closes at the declared expiration, with whoever came.
 One that is too low (a peer the tracker did not see yet) closes the group without that peer, whose round then finds
-no group; it carries its gradient into the next round, as any peer that came late to one.
+no group; it carries its gradient into the next round, as any peer that came late to one. So only a peer that brings
+samples to the round sets a target (node.swarm.optimizer.SwarmOptimizer._expect_group): full peers that join only for
+client-mode peers' samples never close a group among themselves, which would be a round of no samples at all.
 """
 from __future__ import annotations
 

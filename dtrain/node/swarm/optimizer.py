@@ -259,9 +259,13 @@ class SwarmOptimizer(hivemind.Optimizer):
             super()._maybe_schedule_gradient_averaging()
 
     def _expect_group(self) -> None:
-        """The next round's group closes once the peers at the swarm's epoch are in it (node.swarm.groupsize)."""
+        """The next round's group closes once the peers at the swarm's epoch are in it (node.swarm.groupsize), when
+        this peer brings samples to it. A peer with none (a full peer that joins for client-mode peers' sake) keeps
+        hivemind's window: two such peers leading a group that closed without the clients whose samples the round is
+        for would average weights of zero (0/0), and a client its tracker has not counted yet would be left out."""
         if isinstance(self.grad_averager, ExpectedGroup):
-            self.grad_averager.expect_group(self.tracker.global_progress.num_peers)
+            has_samples = self.grad_averager.local_samples_accumulated > 0
+            self.grad_averager.expect_group(self.tracker.global_progress.num_peers if has_samples else 0)
 
     def _maybe_schedule_state_averaging(self) -> None:
         if self.tracker.global_progress.num_peers > 1:
