@@ -543,12 +543,20 @@ class TrainingNode:
             return
         if self.rounds is not None:
             self.rounds.enter_outer()  # the pseudo-gradient aside: the download replaces the parameters
-        if self.catchup is not None and not self.unverified and self.catchup.replay():
-            self.after_catch_up(Download.CHECKED)  # the replayed bytes are the ones the peers publish
-            self._arrive_late()
-            return
-        with self.presence.announcing(self.step):  # as a joiner's first download (_join_download)
-            download = self.agreement.load_state_from_peers()
+        # announced meanwhile, as a joiner's first download (_join_download): a replay over a slow link outlasts an
+        # announcement too (the default model's 4 rounds took 29 s at 20 Mbit/s), and a node that finds itself
+        # alone then makes updates no round log holds, which this node could only download whole
+        with self.presence.announcing(self.step):
+            if self.catchup is not None and not self.unverified and self.catchup.replay():
+                download = Download.CHECKED  # the replayed bytes are the ones the peers publish
+            else:
+                download = self._download_to_catch_up()
+        self.after_catch_up(download)
+        self._arrive_late()
+
+    def _download_to_catch_up(self) -> Download:
+        opt = self.swarm.optimizer
+        download = self.agreement.load_state_from_peers()
         if download is Download.UNCHECKED and self.catchup is not None and \
                 self.agreement.saw(opt.tracker.global_epoch) > opt.local_epoch:
             # the peers' records of the downloaded epoch expired while it came (it took longer than their last rounds):
@@ -558,8 +566,7 @@ class TrainingNode:
                 download = Download.CHECKED
             elif params_digest(self.model) != before:  # a replay that did not give the swarm's bytes
                 download = Download.REFUSED
-        self.after_catch_up(download)
-        self._arrive_late()
+        return download
 
     def _arrive_late(self) -> None:
         """Low-comm: a node that arrives in an epoch the others have trained part of (after a download or a replay)
