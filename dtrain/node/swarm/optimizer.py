@@ -4,8 +4,8 @@ Six changes to hivemind's: a gradient round is applied whole or not at all (node
 node's exact gradient whenever the swarm's average is unavailable, a client-mode peer never updates without the
 swarm's average, it reports each update's outcome (which peers' gradients went into it), an update also begins
 when the swarm's pending samples stop growing (node.swarm.tracker), so a swarm keeps its pace when a peer leaves
-whatever target it was started with, and a round's group closes once the peers at the swarm's epoch are in it
-(node.swarm.groupsize), not when matchmaking's time is up.
+whatever target it was started with, and a low-comm round's group closes once the peers at the swarm's epoch are in
+it (node.swarm.groupsize), not when matchmaking's time is up.
 """
 from __future__ import annotations
 
@@ -259,11 +259,13 @@ class SwarmOptimizer(hivemind.Optimizer):
             super()._maybe_schedule_gradient_averaging()
 
     def _expect_group(self) -> None:
-        """The next round's group closes once the peers at the swarm's epoch are in it (node.swarm.groupsize), when
-        this peer brings samples to it. A peer with none (a full peer that joins for client-mode peers' sake) keeps
-        hivemind's window: two such peers leading a group that closed without the clients whose samples the round is
-        for would average weights of zero (0/0), and a client its tracker has not counted yet would be left out."""
-        if isinstance(self.grad_averager, ExpectedGroup):
+        """Low-comm: the next round's group closes once the peers at the swarm's epoch are in it
+        (node.swarm.groupsize), when this peer brings samples to it. A peer with none (a full peer that joins for
+        client-mode peers' sake) keeps hivemind's window: two such peers leading a group that closed without the
+        clients whose samples the round is for would average weights of zero (0/0). Per-step keeps the window too: it
+        is the gathering window in which a packet that reaches another node joins the same update
+        (docs/architecture.md, "When the swarm updates")."""
+        if self._round_due is not None and isinstance(self.grad_averager, ExpectedGroup):
             has_samples = self.grad_averager.local_samples_accumulated > 0
             self.grad_averager.expect_group(self.tracker.global_progress.num_peers if has_samples else 0)
 
