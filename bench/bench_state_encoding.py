@@ -117,8 +117,9 @@ class Run:
     def loss(self, batches) -> float:
         return float(np.mean([self.model(input_ids=t, labels=t).loss.item() for t in batches]))
 
-    def flat(self, tensors) -> np.ndarray:
-        return torch.cat([t.detach().reshape(-1) for t in tensors]).numpy()
+
+def flat(tensors) -> np.ndarray:
+    return torch.cat([t.detach().reshape(-1) for t in tensors]).numpy()
 
 
 def timed(fn, *args) -> tuple[object, float]:
@@ -155,7 +156,7 @@ def main() -> None:
         print(f"round {r + 1}: held-out loss {run.loss(held_out):.4f} ({time.monotonic() - began:.0f}s)",
               file=sys.stderr)
 
-    anchor, momentum = run.flat(run.anchor), run.flat(run.momentum)
+    anchor, momentum = flat(run.anchor), flat(run.momentum)
     n = len(anchor)
     rows = [("f32 (what moves now)", 4.0, 4.0, 0.0, 0.0)]
     (a_blob, a_enc), (m_blob, m_enc) = timed(deflate_planes, anchor), timed(deflate_planes, momentum)
@@ -177,11 +178,11 @@ def main() -> None:
 
     after = batches(args.after * args.inner_steps)
     rounds = [after[i:i + args.inner_steps] for i in range(0, len(after), args.inner_steps)]
-    start = run.flat(run.anchor)
+    start = flat(run.anchor)
     exact = run.fork()
     for r in rounds:
         exact.round(r)
-    moved = np.linalg.norm(exact.flat(exact.anchor) - start)
+    moved = np.linalg.norm(flat(exact.anchor) - start)
     print(f"\nKeeping the momentum in a lossy form: {args.after} more rounds on the same batches\n")
     print("| momentum kept in | held-out loss | drift from f32 |")
     print("|---|---:|---:|")
@@ -196,7 +197,7 @@ def main() -> None:
         lossy.momentum = [store(m) for m in lossy.momentum]  # as a joiner receives it
         for r in rounds:
             lossy.round(r, store)
-        drift = np.linalg.norm(lossy.flat(lossy.anchor) - exact.flat(exact.anchor)) / moved
+        drift = np.linalg.norm(flat(lossy.anchor) - flat(exact.anchor)) / moved
         print(f"| {name} | {lossy.loss(held_out):.4f} | {drift:.4f} |")
 
 

@@ -1,4 +1,4 @@
-"""A round's group closes as soon as every peer the round expects is in it, not when matchmaking's time is up.
+"""A low-comm round's group closes as soon as every peer it expects is in it, not when matchmaking's time is up.
 
 hivemind's leader keeps its group open until the expiration it declared, `--matchmaking-time` after it began to look
 (5 s by default), unless the group reaches `target_group_size`, which a swarm of changing size cannot fix in advance.
