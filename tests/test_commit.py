@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import multiprocessing as mp
 import os
 import signal
@@ -49,13 +50,16 @@ def freezable(base: type) -> type:
 
     class Freezable(base):
         def __init__(self, *args, **kwargs):
-            self.freeze = mp.Event()  # set in the test's process, read in the averager's
+            # set in the test's process, read and cleared in the averager's: a flag with no lock, for a process that
+            # stops itself must hold nothing the test needs in order to resume it (with an mp.Event, the test once
+            # waited for ever on the event's lock, held by the stopped member)
+            self.freeze = mp.RawValue(ctypes.c_bool, False)
             super().__init__(*args, **kwargs)
 
         async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData],
                                      context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
-            if self.freeze.is_set():
-                self.freeze.clear()
+            if self.freeze.value:
+                self.freeze.value = False
                 # a member that had the group first may send its part before this member registered the group;
                 # freeze once it has (hivemind then sets the stage to RUNNING_ALLREDUCE with no await between)
                 request = await anext(stream)
@@ -119,7 +123,7 @@ def run_round(members, freeze=False):
         averager.accumulate_grads_(batch_size=1)  # a round resets the accumulators
     victim = members[-1][1]
     if freeze:
-        victim.freeze.set()
+        victim.freeze.value = True
     controls = [averager.step(wait=False, timeout=STEP_TIMEOUT_S, allow_retries=False) for _, averager in members]
     if freeze:
         deadline = time.monotonic() + STEP_TIMEOUT_S
@@ -130,7 +134,7 @@ def run_round(members, freeze=False):
             assert controls[-1].stage == AveragingStage.RUNNING_ALLREDUCE, controls[-1].stage
             time.sleep(FROZEN_S)
         finally:
-            victim.freeze.clear()
+            victim.freeze.value = False
             os.kill(victim.pid, signal.SIGCONT)
     outcomes = []
     for control, (param, averager) in zip(controls, members):
