@@ -138,7 +138,8 @@ def main() -> None:
 
     results: dict[tuple[str, str], list] = {(b, c): [] for b in args.backends for c in codes}
     # a target the bench never reaches: the step stays put, so no step re-downloads the model
-    node = NodeProcess("bench", ["--model-config", args.model_config, "--target-batch-size", "1000000"], new_run_id())
+    node = NodeProcess("bench", ["--model-config", args.model_config, "--target-batch-size", "1000000"], new_run_id(),
+                       cold=True)
     try:
         node.wait_ready(timeout_s=300)
         params = node.get_json("/api/v1/model/info")["total_params"]

@@ -58,7 +58,7 @@ def timed(urls: list[str], repeats: int) -> tuple[int, list[float]]:
 
 def start_node(model_config: str, timeout_s: float) -> tuple[NodeProcess, str]:
     for config in (model_config, str(REPO / "dtrain" / "static" / "model_config.json")):
-        node = NodeProcess("bench", ["--model-config", config, "--target-batch-size", "1"], new_run_id())
+        node = NodeProcess("bench", ["--model-config", config, "--target-batch-size", "1"], new_run_id(), cold=True)
         try:
             node.wait_ready(timeout_s)
             return node, config

@@ -274,7 +274,7 @@ def http_main(args, cases, warm_up: list[bytes]) -> None:
         (Path(d) / "train.json").write_text(json.dumps(train))
         node = NodeProcess("bench", ["--model-config", str(repo / "configs" / "gpt2-small.json"),
                                      "--train-config", str(Path(d) / "train.json"),
-                                     "--target-batch-size", "1", *NODE_ARGS], new_run_id())
+                                     "--target-batch-size", "1", *NODE_ARGS], new_run_id(), cold=True)
         port = free_port()
         ceiling = subprocess.Popen([sys.executable, __file__, "--serve-ceiling", str(port),
                                     *(["--ceiling-keeps-bodies"] if args.ceiling_keeps_bodies else [])], cwd=repo)

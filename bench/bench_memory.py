@@ -92,7 +92,7 @@ def measure(name: str, sync: str, updates: int, ready_timeout_s: float, train_ti
             "--local-samples-per-update", "2"]
     if CONFIGS[name] is not None:
         args = ["--model-config", str(CONFIGS[name]), *args]
-    node = NodeProcess(f"mem-{name}-{sync}", args, new_run_id())
+    node = NodeProcess(f"mem-{name}-{sync}", args, new_run_id(), cold=True)
     try:
         node.wait_ready(ready_timeout_s)
         info = node.get_json("/api/v1/model/info", timeout_s=30.0)

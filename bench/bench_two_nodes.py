@@ -69,17 +69,16 @@ def main() -> None:
     args = ["--model-config", str(a.model_config), "--sync", a.sync, "--train-data", str(a.text),
             "--local-batch-size", "1", "--local-seq-len", "64", "--local-samples-per-update", str(a.samples_per_update),
             "--matchmaking-time", "15", "--request-timeout", "5", "--averaging-timeout", str(a.averaging_timeout)]
-    cold = {"DTRAIN_BENCH": "two-nodes"}  # a cold start each: no spare interpreter waiting next to the nodes
     run_id, rows = new_run_id(), {}
     nodes: list[NodeProcess] = []
     with MemoryWatch(nodes, a.min_available_gib, interval_s=SAMPLE_EVERY_S) as watch:
         try:
-            nodes.append(node_a := NodeProcess("A", args, run_id, env=cold))
+            nodes.append(node_a := NodeProcess("A", args, run_id, cold=True))
             maddrs = node_a.wait_ready(a.timeout)
             wait_until(lambda: watch.check() or node_a.status()["updates"] >= 1, a.timeout, "A's first update", 1.0)
             rows["A ready and trained"] = dict(watch.last)
             started = time.monotonic()
-            nodes.append(node_b := NodeProcess("B", args, run_id, initial_peers=maddrs, env=cold))
+            nodes.append(node_b := NodeProcess("B", args, run_id, initial_peers=maddrs, cold=True))
             downloading = stamp(node_b, DOWNLOAD_RE, watch, a.timeout)
             node_b.wait_ready(a.timeout)
             served = stamp(node_b, re.compile(r"step \d+ params sha256"), watch, a.timeout,

@@ -8,8 +8,9 @@ test marked with a tier of its own, fails collection with a message that names i
 `-m "(unit or http) and not slow"`: `slow` is no tier, it marks a unit or http test that takes seconds.
 
 The suite runs the slow tiers first (`RUN_ORDER`): `make test` spreads it over two pytest-xdist workers that each take
-the other's remaining tests when done (`--dist worksteal`), and the minutes-long tests, started first, end together
-with the seconds-long ones instead of after them.
+the next test when done (`--maxschedchunk 1`), and the minutes-long tests, started first, end together with the
+seconds-long ones instead of after them. The real nodes of the swarm tests are forked from a server that has imported
+their libraries once per worker (tests.forkserver).
 """
 from __future__ import annotations
 

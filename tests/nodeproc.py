@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from tests.forkserver import ForkServer
 from tests.netns import is_shm_manager
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,17 +34,10 @@ NORM_RE = re.compile(r"step (\d+) params l2 (\S+)")  # logged a moment after the
 MADDR_RE = re.compile(r"^\s+(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\S+)\s*$")
 LOG_DIR = REPO / "test-artifacts" / "nodes"  # every test node's log, kept for reading after passing runs too
 
-# A node spends about 10 s importing torch, transformers and hivemind before it reads its arguments. The harness
-# keeps one interpreter that has done so ahead of need: it waits for its arguments on stdin, then runs
-# `dtrain.cli.main` exactly as `python -m dtrain.cli ARGS` does (same cwd, environment and output). The next one
-# imports while the test runs.
-_WARM_BOOT = """
-import json, sys
-import dtrain.cli
-argv = json.loads(sys.stdin.readline())
-sys.argv = ["dtrain-node", *argv]
-dtrain.cli.main(argv)
-"""
+# Nodes without a namespace or an environment of their own are forked from one interpreter that has imported the
+# node's heavy libraries (tests.forkserver): a node then starts in well under a second of CPU, not ~8 s of imports.
+_FORKS = ForkServer(str(REPO))
+atexit.register(_FORKS.close)
 
 
 def free_port() -> int:
@@ -62,47 +56,15 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.2):
     raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
-class _WarmSpare:
-    """One `dtrain-node` interpreter with its imports done, waiting for its arguments (see _WARM_BOOT)."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._spare: Optional[subprocess.Popen] = None
-        atexit.register(self.close)
-
-    def start(self, args: Sequence[str]) -> subprocess.Popen:
-        with self._lock:
-            proc, self._spare = self._spare, None
-            if proc is None or proc.poll() is not None:
-                proc = self._spawn()
-            proc.stdin.write(json.dumps(list(args)) + "\n")
-            proc.stdin.flush()
-            self._spare = self._spawn()
-        return proc
-
-    @staticmethod
-    def _spawn() -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-c", _WARM_BOOT], cwd=REPO, stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-    def close(self) -> None:
-        with self._lock:
-            if self._spare is not None and self._spare.poll() is None:
-                self._spare.kill()
-                self._spare.wait(5)
-            self._spare = None
-
-
-_WARM = _WarmSpare()
-
-
 class NodeProcess:
     """One dtrain-node subprocess; its output is collected line by line in a background thread."""
 
     def __init__(self, name: str, args: Sequence[str], run_id: str, initial_peers: Sequence[str] = (),
-                 env: Optional[dict] = None, netns=None, host_maddrs: str = "/ip4/127.0.0.1/tcp/0"):
-        """`netns`: a tests.netns namespace to run in (a cold start; its HTTP is reached from inside it)."""
+                 env: Optional[dict] = None, netns=None, host_maddrs: str = "/ip4/127.0.0.1/tcp/0",
+                 cold: bool = False):
+        """`netns`: a tests.netns namespace to run in (its HTTP is reached from inside it). A node in a namespace, with
+        an `env` of its own, or `cold` starts a fresh interpreter, as an operator's does (benches measure those);
+        any other is forked by the fork server (tests.forkserver)."""
         self.name = name
         self.netns = netns
         self.port = free_port()
@@ -120,12 +82,12 @@ class NodeProcess:
             self.proc = netns.popen([sys.executable, "-m", "dtrain.cli", *argv], cwd=REPO, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True,
                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-        elif env:  # an environment of its own: a cold start
+        elif env or cold:
             self.proc = subprocess.Popen([sys.executable, "-m", "dtrain.cli", *argv], cwd=REPO, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, text=True,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         else:
-            self.proc = _WARM.start(argv)
+            self.proc = _FORKS.start(argv, cwd=str(REPO), env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
