@@ -29,12 +29,12 @@ def measure(tree: str) -> None:
     with Net() as net:
         hosts = [net.host(f"m{i}") for i in range(2)]
         try:
-            a = NodeProcess("A", common, run_id, netns=hosts[0], host_maddrs=f"/ip4/{hosts[0].ip}/tcp/0")
+            a = NodeProcess("A", common, run_id, netns=hosts[0], host_maddrs=f"/ip4/{hosts[0].ip}/tcp/0", cold=True)
             nodes.append(a)
             a.wait_ready(300)
             peers = [m for m in a.status()["maddrs"] if m.startswith(f"/ip4/{hosts[0].ip}/")]
             b = NodeProcess("B", common, run_id, initial_peers=peers, netns=hosts[1],
-                            host_maddrs=f"/ip4/{hosts[1].ip}/tcp/0")
+                            host_maddrs=f"/ip4/{hosts[1].ip}/tcp/0", cold=True)
             nodes.append(b)
             b.wait_ready(300)
             wait_until(lambda: min(n.status()["step"] for n in nodes) >= 3, 300, "two rounds unshaped")

@@ -63,11 +63,12 @@ def main() -> None:
         a_host, b_host = (net.host(n, rate_mbit=args.donor_mbit) for n in ("a", "b"))
         run_id, donors = new_run_id(), []
         try:
-            donors.append(NodeProcess("A", common, run_id, netns=a_host, host_maddrs=f"/ip4/{a_host.ip}/tcp/0"))
+            donors.append(NodeProcess("A", common, run_id, netns=a_host, host_maddrs=f"/ip4/{a_host.ip}/tcp/0",
+                                      cold=True))
             donors[0].wait_ready(600)
             peers = [m for m in donors[0].status()["maddrs"] if m.startswith(f"/ip4/{a_host.ip}/")]
             donors.append(NodeProcess("B", common, run_id, initial_peers=peers, netns=b_host,
-                                      host_maddrs=f"/ip4/{b_host.ip}/tcp/0"))
+                                      host_maddrs=f"/ip4/{b_host.ip}/tcp/0", cold=True))
             donors[1].wait_ready(900)
             digest = donors[0].status()["params_sha256"]
             wait_until(lambda: donors[1].status()["params_sha256"] == digest, 60, "B to serve A's bytes")
@@ -77,7 +78,7 @@ def main() -> None:
                 host = net.host(f"j{i}", rate_mbit=rate)
                 argv = ["--model-config", str(other_seed), "--state-donors", str(WAYS[way]), *NODE_TIMEOUTS]
                 joiner = NodeProcess(f"J{i}", argv, run_id, initial_peers=peers, netns=host,
-                                     host_maddrs=f"/ip4/{host.ip}/tcp/0")
+                                     host_maddrs=f"/ip4/{host.ip}/tcp/0", cold=True)
                 try:
                     joiner.wait_ready(900)
                     out = joiner.output()

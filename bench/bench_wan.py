@@ -225,7 +225,7 @@ def run(mode: str, rate, args, paths: list[Path], held_tokens: np.ndarray) -> di
                 peers = [m for m in nodes[0].status()["maddrs"] if m.startswith(f"/ip4/{hosts[0].ip}/")]
             node = NodeProcess("ABCDEFGH"[i], [*common, "--wait-for-peers", str(founders), "--train-data",
                                                 str(paths[i])], run_id, initial_peers=peers, netns=hosts[i],
-                               host_maddrs=f"/ip4/{hosts[i].ip}/tcp/0")
+                               host_maddrs=f"/ip4/{hosts[i].ip}/tcp/0", cold=True)
             nodes.append(node)
             return node
 
@@ -375,7 +375,8 @@ def churn(rate, args, paths: list[Path]) -> dict:
         def start(i: int, name: str) -> NodeProcess:
             peers = [m for m in status(nodes[0])["maddrs"] if m.startswith(f"/ip4/{hosts[0].ip}/")] if nodes else ()
             node = NodeProcess(name, [*flags, "--train-data", str(paths[i]), "--identity-path", identity[i]], run_id,
-                               initial_peers=peers, netns=hosts[i], host_maddrs=f"/ip4/{hosts[i].ip}/tcp/0")
+                               initial_peers=peers, netns=hosts[i], host_maddrs=f"/ip4/{hosts[i].ip}/tcp/0",
+                               cold=True)
             node.started, node.host = time.time(), hosts[i]
             nodes.append(node)
             return node

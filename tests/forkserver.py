@@ -11,13 +11,13 @@ What the child must not inherit stays out of the server: hivemind, whose module-
 server has one thread when it forks (a fork copies only the calling thread; it checks), and each node reseeds numpy's
 and torch's global generators, as a fresh interpreter would have them (Python's own `random` reseeds at fork).
 
-Protocol, over a SOCK_SEQPACKET socket pair: the caller sends a JSON request {argv, cwd, env} with two descriptors,
-the write ends of the node's output pipe and of a status pipe; the server answers with the node's pid and a pidfd of it,
-and once it has reaped the node writes its exit code (as subprocess reports it: -N for a signal) on the status pipe.
+Protocol, over a SOCK_SEQPACKET socket pair: the caller sends a JSON request {argv, cwd, env, netns} with two
+descriptors, the write ends of the node's output pipe and of a status pipe; the server answers with the node's pid and
+a pidfd of it, and once it has reaped the node writes its exit code (as subprocess reports it: -N for a signal) on the
+status pipe. A node given a network namespace enters it (setns) before anything else.
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import select
@@ -32,13 +32,11 @@ from typing import Optional, Sequence
 PRELOAD = ("torch", "numpy", "scipy.optimize", "sympy", "aiohttp.web", "uvloop", "safetensors.torch", "tenseal",
            "transformers.modeling_utils", "transformers.models.gpt2.modeling_gpt2")
 NOT_PRELOADED = ("hivemind",)
-PR_SET_PDEATHSIG = 1
 MAX_REQUEST = 1 << 20
 
 
 def serve(fd: int) -> None:
     """The server's loop: fork a node per request, report each node's exit; ends when the caller closes its end."""
-    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # gone with the test worker that started it
     import dtrain  # noqa: F401  its environment defaults (OPENBLAS_NUM_THREADS) come before numpy, as in a node
     import importlib
     for name in PRELOAD:
@@ -54,7 +52,7 @@ def serve(fd: int) -> None:
             if r is sock:
                 message, fds, _, _ = socket.recv_fds(sock, MAX_REQUEST, 2)
                 if not message:
-                    return  # the caller is gone; its nodes are its to stop
+                    return  # the test process closed its end, or ended; its nodes are its to stop
                 out_fd, status_fd = fds
                 pid = os.fork()
                 if pid == 0:
@@ -80,6 +78,9 @@ def _become_node(request: dict, out_fd: int, server_fds: Sequence[int]) -> None:
     os.dup2(out_fd, 1)
     os.dup2(out_fd, 2)
     os.close(out_fd)
+    if request["netns"] is not None:
+        from tests.netns import enter
+        enter(request["netns"])  # before the node opens a socket: its sockets live in the namespace
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -117,10 +118,11 @@ class ForkedNode:
         with self._lock:
             if self.returncode is None and select.select([self._status], [], [], timeout)[0]:
                 data = os.read(self._status, 32)
+                if not data:  # the server ended before the node: nobody can tell how the node ends
+                    raise RuntimeError(f"the fork server of node {self.pid} ended before the node")
                 os.close(self._status)
                 os.close(self._pidfd)
-                # no status: the server died first, and with it what would have reaped the node
-                self.returncode = int(data) if data else -signal.SIGKILL
+                self.returncode = int(data)
             return self.returncode
 
     def send_signal(self, sig: int) -> None:
@@ -147,13 +149,14 @@ class ForkServer:
         self._sock: Optional[socket.socket] = None
         self._server: Optional[subprocess.Popen] = None
 
-    def start(self, argv: Sequence[str], cwd: str, env: dict) -> ForkedNode:
+    def start(self, argv: Sequence[str], cwd: str, env: dict, netns: Optional[str] = None) -> ForkedNode:
+        """A node forked with `argv`, `cwd` and `env`; in network namespace `netns` (its name) if given."""
         out_r, out_w = os.pipe()
         status_r, status_w = os.pipe()
         try:
             with self._lock:
                 sock = self._connected()
-                socket.send_fds(sock, [json.dumps(dict(argv=list(argv), cwd=cwd, env=env)).encode()],
+                socket.send_fds(sock, [json.dumps(dict(argv=list(argv), cwd=cwd, env=env, netns=netns)).encode()],
                                 [out_w, status_w])
                 reply, fds, _, _ = socket.recv_fds(sock, 32, 1)
                 if not reply:

@@ -151,8 +151,9 @@ def reap() -> list[str]:
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _enter(ns: str) -> None:
-    """Move the calling thread (only it) into namespace `ns`; sockets it opens afterwards live there."""
+def enter(ns: str) -> None:
+    """Move the calling thread (only it) into namespace `ns`; sockets it opens afterwards live there. In a process of
+    one thread, that is the process (tests.forkserver forks nodes into a namespace so)."""
     fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
     try:
         if _libc.setns(fd, CLONE_NEWNET) != 0:
@@ -184,7 +185,7 @@ class Namespace:
     def popen(self, argv: Sequence[str], **kwargs) -> subprocess.Popen:
         """A process inside the namespace; killed at the Net's exit if still running."""
         proc = subprocess.Popen(self.cmd(argv), **kwargs)
-        self.net._procs.append(proc)
+        self.net.adopt(proc)
         return proc
 
     def call(self, fn: Callable[..., Any], *args, timeout_s: float = 60.0, **kwargs) -> Any:
@@ -194,7 +195,7 @@ class Namespace:
 
         def body():
             try:
-                _enter(self.ns)
+                enter(self.ns)
                 result["value"] = fn(*args, **kwargs)
             except BaseException as e:  # handed to the caller
                 result["error"] = e
@@ -240,6 +241,11 @@ class Net:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def adopt(self, proc) -> None:
+        """`proc` (a subprocess.Popen, or what tests.forkserver gives) runs in one of these namespaces: killed at
+        close if still running."""
+        self._procs.append(proc)
 
     def close(self) -> None:
         for proc in self._procs:

@@ -62,8 +62,8 @@ class NodeProcess:
     def __init__(self, name: str, args: Sequence[str], run_id: str, initial_peers: Sequence[str] = (),
                  env: Optional[dict] = None, netns=None, host_maddrs: str = "/ip4/127.0.0.1/tcp/0",
                  cold: bool = False):
-        """`netns`: a tests.netns namespace to run in (its HTTP is reached from inside it). A node in a namespace, with
-        an `env` of its own, or `cold` starts a fresh interpreter, as an operator's does (benches measure those);
+        """`netns`: a tests.netns namespace to run in (its HTTP is reached from inside it). A node with an `env` of its
+        own outside a namespace, or `cold`, starts a fresh interpreter, as an operator's does (benches measure those);
         any other is forked by the fork server (tests.forkserver)."""
         self.name = name
         self.netns = netns
@@ -78,7 +78,11 @@ class NodeProcess:
         self._lock = threading.Lock()
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         self.log_path = LOG_DIR / f"{run_id}-{name}.log"
-        if netns is not None:
+        if netns is not None and not cold:
+            self.proc = _FORKS.start(argv, cwd=str(REPO), env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                     netns=netns.ns)
+            netns.net.adopt(self.proc)
+        elif netns is not None:
             self.proc = netns.popen([sys.executable, "-m", "dtrain.cli", *argv], cwd=REPO, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True,
                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
