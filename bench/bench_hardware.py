@@ -142,15 +142,27 @@ def plain_loop(config: ModelConfig, device: Device, data: TokenDataset, batch: i
 
 def cpu_seconds(pids) -> float:
     """User + system CPU time of these processes, every thread (/proc/PID/stat); gone ones count 0."""
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
-        except (OSError, IndexError, ValueError):
-            pass
-    return total / os.sysconf("SC_CLK_TCK")
+    return sum(cpu_seconds_of(f"/proc/{pid}/stat") for pid in pids)
+
+
+def cpu_seconds_of(stat_path: str) -> float:
+    """User + system CPU time in a /proc stat file (a process's, or a thread's under task/); 0 when gone."""
+    try:
+        with open(stat_path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def busiest_thread_seconds(pid: int, before: Optional[dict] = None) -> tuple[float, dict]:
+    """(CPU seconds since `before` of the thread of `pid` that used the most, every thread's CPU seconds now): of a
+    node, its training thread."""
+    try:
+        now = {tid: cpu_seconds_of(f"/proc/{pid}/task/{tid}/stat") for tid in os.listdir(f"/proc/{pid}/task")}
+    except OSError:
+        now = {}
+    return max((now[t] - (before or {}).get(t, 0.0) for t in now), default=0.0), now
 
 
 def machine_cpu_seconds() -> float:
@@ -293,6 +305,8 @@ def window(nodes: list[Node], window_s: float, quiet_wait_s: float) -> list[dict
     wait_quiet(nodes, quiet_wait_s)
     first = [node.trained() for node in nodes]
     cpu0 = [cpu_seconds([n.proc.pid, *tree(n.proc.pid)[1:]]) for n in nodes]
+    children0 = [cpu_seconds(tree(n.proc.pid)[1:]) for n in nodes]
+    threads0 = [busiest_thread_seconds(n.proc.pid)[1] for n in nodes]
     all0, mine0 = machine_cpu_seconds(), time.process_time()
     opened = time.monotonic()
     while time.monotonic() - opened < window_s:
@@ -300,17 +314,21 @@ def window(nodes: list[Node], window_s: float, quiet_wait_s: float) -> list[dict
             node.alive()
         time.sleep(min(0.5, max(0.0, window_s - (time.monotonic() - opened))))
     cpu1 = [cpu_seconds([n.proc.pid, *tree(n.proc.pid)[1:]]) for n in nodes]
+    children = [cpu_seconds(tree(n.proc.pid)[1:]) - c0 for n, c0 in zip(nodes, children0)]
+    busiest = [busiest_thread_seconds(n.proc.pid, t0)[0] for n, t0 in zip(nodes, threads0)]
     cpu_wall = time.monotonic() - opened
     others = (machine_cpu_seconds() - all0 - (time.process_time() - mine0) - sum(cpu1) + sum(cpu0)) / cpu_wall
     last = [node.trained() for node in nodes]
     on_gpu = gpu_bytes_by_pid()
     out = []
-    for node, (c0, t0, s0), (c1, t1, s1), u0, u1 in zip(nodes, first, last, cpu0, cpu1):
+    for node, (c0, t0, s0), (c1, t1, s1), u0, u1, kids, trainer in zip(nodes, first, last, cpu0, cpu1, children,
+                                                                       busiest):
         pids = tree(node.proc.pid)
         groups = [int(m.group(3)) for line in node.output(t0, t1) if (m := UPDATE_RE.search(line))]
         out.append({"name": node.name, "samples": c1 - c0, "seconds": t1 - t0, "samples_s": (c1 - c0) / (t1 - t0),
                     "updates": s1["updates"] - s0["updates"], "groups": groups, "peers": s1.get("training_peers"),
                     "carried": s1["carried_samples"] - s0["carried_samples"], "cores": (u1 - u0) / cpu_wall,
+                    "trainer_cores": trainer / cpu_wall, "children_cores": kids / cpu_wall,
                     "others": others, "host_gib": held_bytes(node.proc.pid) / GIB,
                     "gpu_gib": sum(on_gpu.get(p, 0) for p in pids) / GIB if on_gpu else None})
     return out
@@ -493,7 +511,10 @@ def main() -> None:
                             say(f"  {n['name']}: {n['samples']} samples in {n['seconds']:.1f}s = "
                                 f"{n['samples_s']:.2f}/s; {n['updates']} updates in the window ({together} of them "
                                 f"logged with a group of 2+ peers), training_peers {n['peers']}, carried "
-                                f"{n['carried']} samples, {n['cores']:.2f} cores busy (its process tree), "
+                                f"{n['carried']} samples, {n['cores']:.2f} cores busy (its process tree: "
+                                f"{n['trainer_cores']:.2f} its busiest thread, the training thread's (torch's "
+                                f"other threads do part of it), {n['children_cores']:.2f} hivemind's processes "
+                                f"and p2pd), "
                                 f"{memory_cell(n['host_gib'], n['gpu_gib'], fp32)} GiB host / GPU")
                         rate = sum(n["samples_s"] for n in per_node)
                         cores = sum(n["cores"] for n in per_node)
