@@ -348,6 +348,12 @@ def test_a_sparse_offer_is_top_k_of_pseudo_gradient_and_feedback_quantized_over_
         assert o.shape == d.shape and o.numpy().tobytes() == d.numpy().tobytes()
     assert offer[2].numpy().tobytes() == dense[2].numpy().tobytes()
     assert offer.payload == sparse.encode(dense, quantized=True)  # held as the bytes it sends, nothing dense
+    # written into the gradient buffers times the step() calls: the bits of copying it dense and multiplying
+    for compress in (True, False):
+        buffers = [torch.full_like(p, 9.0) for p in params]
+        r.write_offer(buffers, 3, compress=compress)
+        for b, d in zip(buffers, r.offer()):
+            assert b.numpy().tobytes() == (d * 3).numpy().tobytes()
 
 
 def test_a_bitmask_decoded_piece_by_piece_gives_the_positions_of_one_pass(monkeypatch):
@@ -411,3 +417,18 @@ def test_a_payload_decoded_tensor_by_tensor_is_the_payload_decoded_whole(density
     assert np.concatenate([v for _, v in parts]).tobytes() == values.numpy().tobytes()
     with pytest.raises(sparse.BadPayload):
         next(sparse.decode_tensors(data, sizes[:-1], quantized))  # another model's
+
+
+def test_top_k_positions_are_the_largest_and_ties_keep_the_lower_positions():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 7, (10_000,), generator=g).float()  # a few values, so ties at the threshold everywhere
+    for k in (1, 37, 2_500, 9_999, 10_000):
+        idx = sparse.top_k_indices(x, k)
+        assert idx.numel() == k and bool((idx[1:] > idx[:-1]).all())
+        threshold = x[idx].min()
+        assert bool((x[idx] >= threshold).all()) and int((x > threshold).sum()) <= k
+        ties = torch.nonzero(x == threshold).squeeze(1)
+        kept_ties = idx[x[idx] == threshold]
+        assert torch.equal(kept_ties, ties[:kept_ties.numel()])  # the first ties, in order
+    nan = torch.tensor([1.0, float("nan"), 3.0, 2.0])  # topk's answer: NaN counts largest
+    assert torch.equal(sparse.top_k_indices(nan, 2), torch.topk(nan, 2).indices.sort().values)

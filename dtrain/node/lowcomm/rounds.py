@@ -161,6 +161,19 @@ class InnerRounds:
                 self._offer = self.pseudo_gradient()
         return self._offer
 
+    def write_offer(self, into: Sequence[torch.Tensor], scale: float, compress: Optional[bool] = None) -> None:
+        """`into` (the gradient buffers) takes the offer (`offer`) times `scale`, the bits of copying it dense and
+        multiplying; a sparse offer is scattered where it has values, with no dense tensor made."""
+        offer = self.offer(compress)
+        with torch.no_grad():
+            if not isinstance(offer, _SparseOffer):
+                for buffer, d in zip(into, offer):
+                    buffer.copy_(d).mul_(scale)
+                return
+            for buffer, (local, values) in zip(into, offer.carried()):
+                buffer.zero_()
+                buffer.view(-1)[torch.from_numpy(local)] = torch.from_numpy(values).mul_(scale)
+
     def begin(self) -> "RoundSource":
         """Enter the outer round with the parameters where the inner updates left them; returns what the outer step
         reads of the round (node.lowcomm.outer.OuterNesterov.source). A round in progress goes on."""
@@ -243,8 +256,16 @@ class InnerRounds:
             # pages stay untouched
             if self.feedback is not None and (self._compress or self._feedback_written):
                 offer, delta = self.offer(), self.pseudo_gradient()
-                for i, (e, d, o) in enumerate(zip(self.feedback, delta, offer)):
-                    e.add_(d).sub_(o)
+                # a sparse offer is subtracted where it has values, with the bits of subtracting it dense
+                sent = offer.carried() if isinstance(offer, _SparseOffer) else offer
+                for i, (e, d, o) in enumerate(zip(self.feedback, delta, sent)):
+                    e.add_(d)
+                    if isinstance(o, torch.Tensor):
+                        e.sub_(o)
+                    else:
+                        local, values = (torch.from_numpy(a) for a in o)
+                        flat = e.view(-1)
+                        flat[local] = flat[local] - values
                     # its pseudo-gradient is read: that .grad's pages go as the feedback's are written (the first
                     # sparse round writes all of it: P), not after the whole model
                     self._release_grad(i)
@@ -394,9 +415,12 @@ class _SparseOffer(Sequence):
     def __len__(self) -> int:
         return len(self._like)
 
+    def carried(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Per tensor: the positions within it and the values it carries (what iterating scatters into zeros)."""
+        return sparse.decode_tensors(self.payload, [t.numel() for t in self._like], quantized=True)
+
     def __iter__(self) -> Iterator[torch.Tensor]:
-        sizes = [t.numel() for t in self._like]
-        for like, (local, values) in zip(self._like, sparse.decode_tensors(self.payload, sizes, quantized=True)):
+        for like, (local, values) in zip(self._like, self.carried()):
             out = torch.zeros(like.numel(), dtype=torch.float32)
             out[torch.from_numpy(local)] = torch.from_numpy(values)
             yield out.view_as(like)

@@ -73,10 +73,28 @@ def bytes_per_element(fraction: float, quantized: bool = True) -> float:
 
 
 def top_k_indices(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
-    """The positions of the `k` largest of flat `magnitudes` (ties: the lower index), in increasing order."""
+    """The positions of the `k` largest of flat `magnitudes` (ties: the lower index), in increasing order.
+
+    On the CPU, a partition finds the k-th largest value and one pass keeps what is above it and the first ties at
+    it: positions come out in order, with no sort (a tenth of topk-then-sort's time for the default model's
+    embedding, on one core). Elsewhere (a device's tensors), and for magnitudes that are not all numbers, topk."""
+    n = magnitudes.numel()
     if not k:
         return torch.zeros(0, dtype=torch.int64)
-    return torch.topk(magnitudes, k, sorted=False).indices.sort().values
+    if k >= n:
+        return torch.arange(n)
+    if magnitudes.device.type == "cpu" and magnitudes.dtype in (torch.float32, torch.float64):
+        arr = magnitudes.detach().reshape(-1).numpy()
+        threshold = np.partition(arr, n - k)[n - k]
+        at_least = np.flatnonzero(arr >= threshold)
+        if at_least.size > k:  # ties at the threshold: the first ones (lowest positions) stay
+            tie = arr[at_least] == threshold
+            spare = k - (at_least.size - int(tie.sum()))
+            at_least = at_least[~tie | (np.cumsum(tie) <= spare)]
+        if at_least.size == k:  # else NaNs, which compare false
+            return torch.from_numpy(at_least)
+    idx = torch.topk(magnitudes, k, sorted=False).indices.sort().values
+    return idx
 
 
 @torch.no_grad()

@@ -88,9 +88,8 @@ class LowCommLoop:
         counted = opt.grad_averager
         new_samples = max(node.gradient.samples - counted.local_samples_accumulated, 0)
         calls = counted.local_times_accumulated + 1  # hivemind divides .grad by the step() calls of the epoch
-        with torch.no_grad():  # alone, the whole pseudo-gradient; with peers, what the codec sends of it
-            for p, d in zip(node.model.parameters(), rounds.offer(compress=not alone)):
-                p.grad.copy_(d).mul_(calls)
+        # alone, the whole pseudo-gradient; with peers, what the codec sends of it
+        rounds.write_offer([p.grad for p in node.model.parameters()], calls, compress=not alone)
         epoch_before, round_before = opt.local_epoch, opt.last_round
         if new_samples:
             node.presence.reported_samples()
