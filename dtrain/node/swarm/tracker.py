@@ -31,8 +31,9 @@ class PacedTracker(ProgressTracker):
 
     def __init__(self, *args, settle_s: float, others_present: Callable[[], bool] = lambda: False,
                  round_due: Optional[Callable[[], bool]] = None,
-                 announced_epochs: Callable[[], Mapping[str, int]] = dict, **kwargs):
+                 announced_epochs: Callable[[], Mapping[str, int]] = dict, between_rounds_s: float = 3.0, **kwargs):
         self.settle_s = settle_s
+        self.between_rounds_s = between_rounds_s
         # whether other nodes announced themselves (node.swarm.presence); a swarm without announcements (the
         # adapter's, node.serve.adapter) says always
         self.others_present = others_present
@@ -73,7 +74,16 @@ class PacedTracker(ProgressTracker):
             if self._local_public_key in metadata and self.local_progress.epoch >= progress.epoch:
                 current.append(self.local_progress)
             progress.num_peers, progress.num_clients = len(current), sum(p.client_mode for p in current)
+        if self.round_due is not None and not self.round_due():
+            progress.next_fetch_time = max(progress.next_fetch_time, get_dht_time() + self.between_rounds_s)
         return progress
+
+    def look_now(self) -> None:
+        """This node's round just became due: the swarm's progress is read now, not at the pace between rounds.
+        (hivemind's fetcher waits on `global_state_updated` until `next_fetch_time`; woken, it waits again for
+        the time left, none.)"""
+        self.global_progress.next_fetch_time = get_dht_time()
+        self.global_state_updated.set()
 
     @property
     def estimated_next_update_time(self) -> float:
