@@ -1,6 +1,7 @@
 """The join path's pure parts: a donor's bound on the state it streams (node.swarm.download.UploadPace) and which
 peers a round counts (node.swarm.optimizer.PacedTracker: only those at the swarm's epoch)."""
 import logging
+import threading
 import time
 
 import pytest
@@ -43,6 +44,7 @@ def _tracker(local_epoch: int, key: bytes = b"me", client: bool = False) -> Pace
     tracker.performance_ema = PerformanceEMA(alpha=0.1)
     tracker._local_public_key = key
     tracker.announced_epochs = dict
+    tracker.round_due, tracker.between_rounds_s = None, 3.0
     tracker.local_progress = LocalTrainingProgress(peer_id=b"me", epoch=local_epoch, samples_accumulated=8,
                                                    samples_per_second=1.0, time=get_dht_time(), client_mode=client)
     return tracker
@@ -87,3 +89,21 @@ def test_a_peer_announced_at_the_swarms_epoch_counts_whatever_its_record_says():
 
 def test_no_records_is_hiveminds_own_answer():
     assert _tracker(3)._parse_swarm_progress_data({}).num_peers == 0
+
+
+def test_a_low_comm_node_reads_the_swarms_progress_slowly_between_rounds_and_at_once_when_its_round_is_due():
+    metadata = {b"me": _entry(4, 8, peer=b"me"), b"other": _entry(4, 8, peer=b"other")}
+    tracker = _tracker(4)
+    due = False
+    tracker.round_due = lambda: due
+    tracker.global_state_updated = threading.Event()
+    now = get_dht_time()
+    assert tracker._parse_swarm_progress_data(metadata).next_fetch_time >= now + 3.0  # between rounds
+    due = True
+    assert tracker._parse_swarm_progress_data(metadata).next_fetch_time <= get_dht_time() + 1.0  # hivemind's pace
+    due = False
+    tracker.global_progress = tracker._parse_swarm_progress_data(metadata)
+    tracker.look_now()  # the round became due: the fetcher, woken, finds no time left to wait
+    assert tracker.global_state_updated.is_set() and tracker.global_progress.next_fetch_time <= get_dht_time()
+    tracker.round_due = None  # per-step and the adapter: hivemind's pace throughout
+    assert tracker._parse_swarm_progress_data(metadata).next_fetch_time <= get_dht_time() + 1.0
