@@ -63,7 +63,7 @@ def train_row(config: ModelConfig, device: Device, batch: int, seq_len: int, bat
             started = time.perf_counter()
         tokens = data.batch(batch, seq_len, rng)
         t0 = time.perf_counter()
-        loss, sums = compute.loss_and_grads(tokens, scale=batch)  # what TrainingNode._local_batch does
+        loss, sums = compute.loss_and_grads(tokens, scale=batch)  # what TrainingNode.local_batch does
         pending.add(sums, batch, batch * loss.item(), local=True)
         t1 = time.perf_counter()
         with torch.no_grad():  # the inner AdamW update of the fp32 master, on the CPU

@@ -477,7 +477,7 @@ def main() -> None:
             config = ModelConfig.load(path)
             name = "default" if path == config_path("default") else path.stem
             for batch, seq_len in shapes:
-                seq = min(seq_len, config.max_seq_len)  # what the node trains on (TrainingNode._local_batch)
+                seq = min(seq_len, config.max_seq_len)  # what the node trains on (TrainingNode.local_batch)
                 label = f"{batch}x{seq}"
                 t0 = time.monotonic()
                 say(f"{name} {label} on {node_device}: plain loop, {PLAIN_WARMUP_STEPS} warm-up steps and "

@@ -7,7 +7,7 @@ applied with torch AdamW on `static/train_config.json`'s settings. Every run see
 same samples: honest contributors and attackers alike compute on their batch (an attacker's samples are
 spent on its attack). Held-out loss on the last 10% of the text after each run.
 
-The defended runs do what a node with default flags does (`TrainingNode._add`): each hand-over is judged against
+The defended runs do what a node with default flags does (`Intake.add`): each hand-over is judged against
 the node's own gradient on `--reference-batch` sequences of its own text at that step (train/reference.py; the
 node's own text here is a stream of training batches no contributor is given), the contributor ledger scores every
 judged packet, a scored-out contributor's packets are refused (the node's 403) and a new contributor's weight

@@ -265,7 +265,7 @@ class CatchUp:
         swarm.service.add_handler(LOG_HANDLER, handler(self.log), wrappers_pb2.BytesValue, stream_output=True)
         swarm.optimizer.before_update = self._stash
         swarm.optimizer.on_state_loaded = self.forget
-        swarm.optimizer.node_catches_up = True  # TrainingNode._catch_up: a replay, else a checked download
+        swarm.optimizer.node_catches_up = True  # SwarmFollower.catch_up: a replay, else a checked download
 
     def _stash(self) -> None:
         """What the outer step is about to apply, read from .grad (not the pseudo-gradient a node alone applies

@@ -198,7 +198,7 @@ class Agreement:
         labels a downloaded state with the swarm's next epoch when the swarm is one epoch ahead of it ("Catching
         up with collaboration step"): the bytes of update e served as step e + 2. The records tell which epoch the
         bytes are; anything else is downloaded again. This peer shares no state of its own until it serves again
-        (`TrainingNode._publish`): its tensors are being overwritten. A download that got nothing leaves epoch 0
+        (`StepPublisher.publish`): its tensors are being overwritten. A download that got nothing leaves epoch 0
         and the seeded model, which is the swarm's state only while the swarm is at epoch 0; one that failed part-way
         (`torn`: written into the tensors as it arrived, node.swarm.download) leaves nothing to check.
         """

@@ -278,7 +278,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             # Behind the swarm. hivemind would let this peer update anyway, joining whatever gradient round the
             # others gather next with a gradient of parameters they have left, and label the result with an epoch
             # whose bytes the others made: its gradient was then applied in their update and, having lost the
-            # agreement, carried into a later one too. The node catches up first (TrainingNode._catch_up) and
+            # agreement, carried into a later one too. The node catches up first (SwarmFollower.catch_up) and
             # joins the swarm's next round with its gradient intact.
             return
         try:

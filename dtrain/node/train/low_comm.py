@@ -48,7 +48,7 @@ class LowCommLoop:
             node.local_batch()
             self._inner_update()
             worked = True
-        node.catch_up()
+        node.follower.catch_up()
         if node.gradient.samples > 0:
             self._outer_round()
         node.housekeeping()
@@ -83,7 +83,7 @@ class LowCommLoop:
         inner_updates = rounds.steps
         outer = opt.state_averager.optimizer
         outer.passthrough, outer.source = alone, rounds.begin()
-        node.recheck(force=opt.tracker.ready_to_update_epoch)  # may download the swarm's bytes of the last step
+        node.follower.recheck(force=opt.tracker.ready_to_update_epoch)  # may download the swarm's bytes of the last step
         if node.unverified:
             rounds.carry()
             return
@@ -114,7 +114,7 @@ class LowCommLoop:
                 node.catchup.record(outcome)
             self._publish(outcome, started, inner_updates)
         else:  # hivemind downloaded the swarm's state inside step()
-            node.after_catch_up(node.agreement.check_download())
+            node.follower.after_catch_up(node.agreement.check_download())
 
     def _publish(self, outcome, started: float, inner_updates: int) -> None:
         """The outer update's step served: the peers agree on its digest, the round's buffers go, its snapshot
@@ -138,7 +138,7 @@ class LowCommLoop:
         updates left them: no set-aside copy and no offer until the round is due. A download the swarm's progress
         calls for comes from `catch_up`, which sets the pseudo-gradient aside itself."""
         node = self.node
-        node.recheck(force=False)  # a download (following another peer's bytes) sets them aside first
+        node.follower.recheck(force=False)  # a download (following another peer's bytes) sets them aside first
         if node.rounds.in_outer:
             node.rounds.carry()  # onto the bytes it downloaded
             node.publisher.share_state()

@@ -41,7 +41,7 @@ class PerStepLoop:
             node.local_batch()
             worked = True
         # a peer behind the swarm takes its state first, so that its gradient joins the swarm's next round
-        node.catch_up()
+        node.follower.catch_up()
         if node.gradient.samples > 0 or self._round_for_clients():
             self.step()  # lets hivemind schedule and run the update the swarm is gathering samples for
         node.housekeeping()
@@ -52,7 +52,7 @@ class PerStepLoop:
         node = self.node
         opt = node.swarm.optimizer
         # a peer that served this epoch's bytes after we compared; always right before an update
-        node.recheck(force=opt.tracker.ready_to_update_epoch)
+        node.follower.recheck(force=opt.tracker.ready_to_update_epoch)
         if node.unverified:
             return  # no update on bytes the swarm disagrees with: catch up first
         counted = opt.grad_averager  # hivemind's own counters: a download resets them without a new epoch
@@ -78,7 +78,7 @@ class PerStepLoop:
             if not publisher.served(verdict, snap, outcome, started):
                 node.unverified = True  # keep serving the last step; catch_up downloads again
         else:  # hivemind downloaded the swarm's state inside step() ("Peer is out of sync")
-            node.after_catch_up(node.agreement.check_download())
+            node.follower.after_catch_up(node.agreement.check_download())
 
     def _refuse_non_finite(self, before: Optional[Snapshot]) -> None:
         """Never a non-finite model: an update that left a parameter or Adam moment non-finite (a peer's average,

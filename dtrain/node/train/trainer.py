@@ -9,8 +9,9 @@ averaged update per step). Both run on the parts the node composes:
 - `Compute` (train.compute): forward and backward passes of a batch of the node's own data, on its device;
 - `Swarm` (swarm.swarm): the DHT and hivemind.Optimizer; `Presence` (swarm.presence): who is in the swarm;
 - `Agreement` (swarm.agreement): which bytes every peer serves after an update, and whose gradients are in them;
-- `StepPublisher` (train.publication): a served step's digest, snapshot, records and log line, once per step.
-The node itself joins the swarm, catches up when it falls behind, and saves checkpoints.
+- `StepPublisher` (train.publication): a served step's digest, snapshot, records and log line, once per step;
+- `SwarmFollower` (train.follow): the swarm's state taken at the join, and again whenever the node falls behind.
+The node itself joins the swarm (and says where its first state came from) and saves checkpoints.
 
 Other threads only call `submit(contribution)`, `snapshot()`, `losses()` and `status()`.
 """
@@ -35,12 +36,13 @@ from dtrain.node.device import resolve as resolve_device, threads_now
 from dtrain.node.lowcomm.outer import OuterNesterov
 from dtrain.node.lowcomm.rounds import InnerRounds
 from dtrain.node.lowcomm.roundlog import CatchUp
-from dtrain.node.lowcomm.statefetch import RangeDonor, SpreadDownload
+from dtrain.node.lowcomm.statefetch import RangeDonor
 from dtrain.node.train.compute import Compute
 from dtrain.node.train.adamw import make_local_optimizer, regroup_state_dict
 from dtrain.node.train.gradient import PendingGradient
 from dtrain.node.train.intake import Intake
 from dtrain.node.train.low_comm import LowCommLoop
+from dtrain.node.train.follow import SwarmFollower
 from dtrain.node.train.per_step import PerStepLoop
 from dtrain.node.train.publication import StepPublisher
 from dtrain.node.train.ledger import ContributorLedger, ScoringConfig
@@ -67,8 +69,6 @@ START_RECORD_WAIT_S = 10.0
 # small at 8x64 makes about 400 inner updates in it, GPT-2 XL at 8x512 about 70: DiLoCo runs use H = 100-500
 DEFAULT_MIN_ROUND_S_GPU = 15.0
 TRIM_EVERY_S = 30.0  # how often the heap's free pages go back besides each served step (node.memory)
-# how long a joiner, announced, waits before it downloads: two of every node's looks at the announcements
-JOIN_ANNOUNCE_S = 2 * ANNOUNCE_EVERY_S
 
 
 class NodeStopped(RuntimeError):
@@ -165,6 +165,8 @@ class TrainingNode:
         self.presence: Optional[Presence] = None
         self.agreement: Optional[Agreement] = None
         self.publisher: Optional[StepPublisher] = None  # the served step, from the end of the join on
+        self._stop = threading.Event()
+        self.follower = SwarmFollower(self, self._stop)  # takes the swarm's state: at the join, and when behind
 
         self._losses: list[float] = []  # a restored checkpoint's, until the publisher holds them
         self._snapshot_listeners: list[Callable[[Snapshot], None]] = []
@@ -172,7 +174,6 @@ class TrainingNode:
         self._last_checkpoint_epoch = 0
         self._first_state = ""  # how the state of its first served step came (NodeStatus.first_state)
         self.unverified = False  # the model holds downloaded bytes the swarm disagrees with: catch up, never serve
-        self._stop = threading.Event()
         self._next_trim = time.monotonic() + TRIM_EVERY_S
         self._wake = threading.Event()  # set by the pool when a hand-over is ready
         self.pool.on_ready(self._wake.set)
@@ -342,7 +343,7 @@ class TrainingNode:
         founder = not cfg.swarm.initial_peers
         self._first_state = "founder" if founder else "checkpoint"
         if not founder:
-            self._check_swarm_model()
+            self.follower.check_swarm_model()
             swarm.wait_for_progress(timeout_s=10.0)
             behind = self.agreement.saw(opt.tracker.global_epoch) > opt.local_epoch
             if restored is None and not behind and self.agreement.holds_swarm_start(seed_digest, START_RECORD_WAIT_S):
@@ -350,8 +351,8 @@ class TrainingNode:
                 # bytes it holds. A swarm that moved on meanwhile is caught up with like any node behind (catch_up)
                 self._first_state = "own state"
                 logger.info(f"This node's state is the swarm's start (epoch 0, sha256 {seed_digest}): no download")
-            elif restored is None or behind or not self._swarm_serves_my_bytes():
-                checked = self._join_download(self.swarm_config.load_state_timeout_s) is Download.CHECKED
+            elif restored is None or behind or not self.follower.serves_my_bytes():
+                checked = self.follower.join_download(self.swarm_config.load_state_timeout_s) is Download.CHECKED
                 self._first_state = "download"
         if self.low_comm:
             fraction = cfg.swarm.topk_fraction if cfg.swarm.wire_codec == "sparse" else None
@@ -390,62 +391,8 @@ class TrainingNode:
             # update can join the swarm's
             self._stop.wait(ANNOUNCE_EVERY_S + 0.5)
         if self._first_state == "download":
-            self._arrive_late()
+            self.follower.arrive_late()
         logger.info(f"Node ready at step {snap.step} (epoch {snap.updates})")
-
-    def _check_swarm_model(self) -> None:
-        """A joiner builds the swarm's model or stops here, before it downloads or averages anything: the nodes
-        already in the swarm announce the shape they train."""
-        ours = self.model_config.architecture()
-        models = self.presence.other_models()
-        if not models:  # just bootstrapped: the announcements may take a moment to reach this node
-            self._stop.wait(1.0)
-            models = self.presence.other_models()
-        for peer, theirs in models.items():
-            if theirs != ours:
-                differs = {k: (theirs.get(k), v) for k, v in ours.items() if theirs.get(k) != v}
-                raise ConfigError(
-                    f"the swarm trains another model: node {peer} announces {theirs}, this node builds {ours} "
-                    f"(differing, swarm vs this node: {differs}); start it with the swarm's --model-config, or "
-                    f"--init-from a checkpoint of the same shape")
-
-    def _join_download(self, timeout_s: float) -> Download:
-        """A joiner serves nothing the swarm disagrees with: it downloads until the bytes agree (bounded)."""
-        swarm = self.config.swarm
-        # every node reads this one's announcement before a donor copies its state: a node alone until then makes an
-        # update of every inner step (the spec's single server), which no round log holds, so a state copied before
-        # its last such update lands behind it with nothing to replay, and the joiner downloads it all again
-        if any(peer != self.swarm.peer_id for peer in self.presence.refresh(0, 0)):
-            self._stop.wait(JOIN_ANNOUNCE_S)
-        if self.low_comm and swarm.wire_codec == "sparse" and swarm.state_donors > 0:
-            self.presence.refresh(0, 0)  # announced while it downloads, as below
-            spread = SpreadDownload(self.swarm, self.agreement, self.model, swarm.topk_fraction, swarm.state_donors,
-                                    self._stop, announce=lambda: self.presence.due() and self.presence.refresh(0, 0))
-            try:
-                if spread.run(timeout_s):
-                    return Download.CHECKED
-            except Exception as e:  # whatever went wrong, the download below overwrites what it wrote
-                logger.exception(f"The download in ranges failed: {e!r}")
-            logger.info("The download in ranges did not give the swarm's state; downloading it from one peer")
-        deadline = time.monotonic() + timeout_s
-        while True:
-            # announced while it downloads, so that the nodes it joins are not alone: they make outer rounds every
-            # --inner-steps (per-step: gather --local-samples-per-update) instead of an update per batch, which a
-            # download that takes longer never catches (the joiner would arrive behind them and download again)
-            with self.presence.announcing(0):
-                result = self.agreement.load_state_from_peers()
-            if result is not Download.REFUSED:
-                break
-            if self._stop.is_set() or time.monotonic() >= deadline:
-                raise RuntimeError(f"could not download a state that agrees with what the swarm's peers publish "
-                                   f"within {timeout_s:.0f}s; is the swarm training faster than this link?")
-        return result
-
-    def _swarm_serves_my_bytes(self) -> bool:
-        """A restored checkpoint of the swarm's current epoch: do the peers serve the same bytes?"""
-        epoch = self.swarm.epoch
-        records = self.agreement.records(epoch)
-        return not records or any(r.digest == params_digest(self.model) for r in records.values())
 
     # ---- the training thread -------------------------------------------------------------------------------
 
@@ -531,98 +478,6 @@ class TrainingNode:
         # the loss as a tensor: on a GPU, reading it now would make the host wait for the pass
         self.gradient.add(sums, batch, 0.0, local=True, adopt=self.compute.owns_grads, loss=loss)
         del sums
-
-    def catch_up(self) -> None:
-        """A node behind the swarm, or holding bytes the swarm disagrees with, takes the swarm's state: by replaying
-        the rounds it missed where it can, else by a download (nothing pending is dropped)."""
-        opt = self.swarm.optimizer
-        if opt.tracker.global_epoch > opt.local_epoch:
-            # the swarm moved on without us: take its state (nothing pending is dropped)
-            logger.info(f"Behind the swarm (epoch {opt.local_epoch} < {opt.tracker.global_epoch}); loading state")
-        elif not self.unverified:
-            return
-        if self.rounds is not None:
-            self.rounds.enter_outer()  # the pseudo-gradient aside: the download replaces the parameters
-        # announced meanwhile, as a joiner's first download (_join_download): a replay over a slow link outlasts an
-        # announcement too (the default model's 4 rounds took 29 s at 20 Mbit/s), and a node that finds itself
-        # alone then makes updates no round log holds, which this node could only download whole
-        with self.presence.announcing(self.step):
-            if self.catchup is not None and not self.unverified and self.catchup.replay():
-                download = Download.CHECKED  # the replayed bytes are the ones the peers publish
-            else:
-                download = self._download_to_catch_up()
-        self.after_catch_up(download)
-        self._arrive_late()
-
-    def _download_to_catch_up(self) -> Download:
-        opt = self.swarm.optimizer
-        download = self.agreement.load_state_from_peers()
-        if download is Download.UNCHECKED and self.catchup is not None and \
-                self.agreement.saw(opt.tracker.global_epoch) > opt.local_epoch:
-            # the peers' records of the downloaded epoch expired while it came (it took longer than their last rounds):
-            # brought to the swarm's epoch by replay, it is checked against that epoch's records
-            before = params_digest(self.model)
-            if self.catchup.replay():
-                download = Download.CHECKED
-            elif params_digest(self.model) != before:  # a replay that did not give the swarm's bytes
-                download = Download.REFUSED
-        return download
-
-    def _arrive_late(self) -> None:
-        """Low-comm: a node that arrives in an epoch the others have trained part of (after a download or a replay)
-        is a late contributor. Its round is due about when theirs is, with the inner updates it made by then, instead
-        of a whole round after its arrival, which the others would wait for once theirs are done: its inner updates
-        are counted from the others' samples in the epoch so far (its local batch each)."""
-        if self.rounds is None or self.unverified:
-            return
-        progress = self.swarm.optimizer.tracker.global_progress
-        if progress.epoch != self.swarm.epoch or progress.samples_accumulated <= 0:
-            return
-        others = max(1, progress.num_peers - 1)
-        done = int(progress.samples_accumulated / others / max(1, self.config.local_batch_size))
-        late = min(self.rounds.inner_steps - 1, max(done, 0))
-        if late > self.rounds.steps:
-            logger.info(f"Arrived in epoch {progress.epoch} after about {late} of its {self.rounds.inner_steps} inner "
-                        f"updates: this node's round is due with the others'")
-            self.rounds.steps = late
-
-    def after_catch_up(self, download: Download) -> None:
-        """The swarm's state is in the model (or a download was refused): serve it, then the round goes on on top."""
-        try:
-            self._serve_download(download)
-        finally:
-            if self.rounds is not None:  # once the downloaded bytes are served: on top of them, for the next round
-                self.rounds.carry()
-                self.rounds.share_anchor()
-                self.publisher.share_state()
-
-    def _serve_download(self, download: Download) -> None:
-        if self.gradient.samples:
-            self.gradient.carry()
-        if download is Download.REFUSED:
-            self.unverified = True
-            logger.warning(f"Serving step {self.step} until a download agrees with the swarm")
-            return
-        self.unverified = False
-        served = self.snapshot()
-        if self.swarm.epoch == served.updates and params_digest(self.model) == served.digest:
-            self.publisher.share_state()
-            return  # nothing new: no copy and FP16 conversion of the whole model
-        snap = make_snapshot(self.model, self.swarm.epoch)
-        if download is Download.CHECKED:
-            self.agreement.vouch(snap)
-        else:
-            logger.warning(f"Serving update {snap.updates} without a check against its peers' records")
-        self.publisher.publish(snap)
-
-    def recheck(self, force: bool) -> None:
-        """Follow a peer that served this epoch's bytes with a higher priority (node.swarm.agreement.recheck)."""
-        snap = self.publisher.snapshot
-        agreed = self.agreement.recheck(snap, force)
-        if agreed is None:
-            self.unverified = True
-        elif agreed is not snap:
-            self.publisher.publish(agreed)
 
     def _inner_optimizer(self) -> Optional[torch.optim.Optimizer]:
         """The AdamW of the node's own updates: low-comm's inner one, or the one hivemind wraps per step."""
