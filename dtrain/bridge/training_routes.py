@@ -17,7 +17,7 @@ from dtrain.node.contribution import Contribution
 from dtrain.node.train.ledger import ContributorLedger, RejectReason
 from dtrain.node.model import TensorInfo
 from dtrain.node.train.pool import PoolFull, StepMismatch
-from dtrain.node.train.trainer import NodeStatus
+from dtrain.node.train.status import NodeStatus
 
 FORMATS = ("f16", "f32")
 MAX_BATCH_SIZE = 256  # sequences per /api/v1/data/batch answer

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
@@ -45,11 +44,12 @@ from dtrain.node.train.low_comm import LowCommLoop
 from dtrain.node.train.follow import SwarmFollower
 from dtrain.node.train.per_step import PerStepLoop
 from dtrain.node.train.publication import StepPublisher
+from dtrain.node.train.status import NodeStatus
 from dtrain.node.train.ledger import ContributorLedger, ScoringConfig
 from dtrain.node.hfdir import load_params
 from dtrain.node.model import TensorInfo, build_model, tensor_infos
 from dtrain.node.train.pool import ContributionPool
-from dtrain.node.swarm.presence import ANNOUNCE_EVERY_S, PeerInfo, Presence
+from dtrain.node.swarm.presence import ANNOUNCE_EVERY_S, Presence
 from dtrain.node.train.reference import ReferenceConfig, ReferenceSource
 from dtrain.node.train.robust import RobustAggregator, RobustConfig
 from dtrain.node.snapshot import Snapshot, make_snapshot, params_digest
@@ -73,44 +73,6 @@ TRIM_EVERY_S = 30.0  # how often the heap's free pages go back besides each serv
 
 class NodeStopped(RuntimeError):
     pass
-
-
-@dataclass(frozen=True)
-class NodeStatus:
-    """One consistent look at the node, for `/api/v1/swarm/status` and the dashboard."""
-
-    step: int
-    updates: int
-    params_sha256: str
-    peer_id: str
-    maddrs: tuple[str, ...]
-    peers: int  # nodes in the swarm, idle or not
-    training_peers: int  # peers accumulating samples, as hivemind's progress records show
-    nodes: tuple[PeerInfo, ...]
-    contributors: int  # distinct contributors ever accepted by this node
-    pending_contributors: int  # in the group being gathered toward min_nodes_for_update
-    accepted_packets: int
-    accepted_samples: int
-    applied_packets: int  # of the accepted ones, applied by an update of the swarm
-    applied_samples: int  # includes the node's own data
-    carried_packets: int  # missed at least one update and went into a later one
-    carried_samples: int
-    pending_samples: int  # handed to the training thread, not applied yet
-    last_update_s: float  # how long the last update took (0 before the first)
-    reachability: dict  # node.swarm.reachability.Reachability.as_dict(): full or client-mode peer, and why
-    skipped_rounds: int  # client mode: gradient rounds that failed, so this node made no update (nothing lost)
-    references: int = 0  # trusted reference gradients computed (one per step with contributions)
-    reference_seconds: float = 0.0  # their total wall time
-    scored_out: int = 0  # contributors the ledger refuses for their record
-    closed: bool = False  # --swarm-key: only peers that hold the key can join (docs/peers.md)
-    sync: str = "per-step"  # how the swarm syncs: per-step or low-comm (docs/low-communication.md)
-    wire_codec: Optional[str] = None  # low-comm: fp16, fp32 or sparse
-    device: Optional[dict] = None  # node.device.Device.as_dict(): where passes run (cpu, cuda:N) and at what precision
-    # how the state of the node's first served step came: "founder" (it started the swarm), "checkpoint" (its
-    # --checkpoint-dir held the swarm's bytes), "own state" (a joiner at epoch 0 that built the swarm's start
-    # itself: no download), "download" (from peers)
-    first_state: str = ""
-    torch_threads: Optional[dict] = None  # node.device.threads_now(): torch's CPU threads per operation (--torch-threads)
 
 
 class TrainingNode:
