@@ -44,14 +44,17 @@ def _tracker(local_epoch: int, key: bytes = b"me", client: bool = False) -> Pace
     tracker.performance_ema = PerformanceEMA(alpha=0.1)
     tracker._local_public_key = key
     tracker.announced_epochs = dict
-    tracker.round_due, tracker.between_rounds_s = None, 3.0
+    tracker.round_due, tracker.between_rounds_s, tracker._others_due_at = None, 3.0, None
+    tracker.dht, tracker.client_mode = type("DHT", (), {"peer_id": PeerID(b"me")})(), client
+    tracker.should_report_progress, tracker.global_state_updated = threading.Event(), threading.Event()
     tracker.local_progress = LocalTrainingProgress(peer_id=b"me", epoch=local_epoch, samples_accumulated=8,
                                                    samples_per_second=1.0, time=get_dht_time(), client_mode=client)
     return tracker
 
 
-def _entry(epoch: int, samples: int, client: bool = False, peer: bytes = b"p") -> ValueWithExpiration:
-    progress = LocalTrainingProgress(peer_id=peer, epoch=epoch, samples_accumulated=samples, samples_per_second=1.0,
+def _entry(epoch: int, samples: int, client: bool = False, peer: bytes = b"p",
+           rate: float = 1.0) -> ValueWithExpiration:
+    progress = LocalTrainingProgress(peer_id=peer, epoch=epoch, samples_accumulated=samples, samples_per_second=rate,
                                      time=get_dht_time(), client_mode=client)
     return ValueWithExpiration(progress.dict(), get_dht_time() + 60)
 
@@ -96,14 +99,43 @@ def test_a_low_comm_node_reads_the_swarms_progress_slowly_between_rounds_and_at_
     tracker = _tracker(4)
     due = False
     tracker.round_due = lambda: due
-    tracker.global_state_updated = threading.Event()
     now = get_dht_time()
     assert tracker._parse_swarm_progress_data(metadata).next_fetch_time >= now + 3.0  # between rounds
     due = True
     assert tracker._parse_swarm_progress_data(metadata).next_fetch_time <= get_dht_time() + 1.0  # hivemind's pace
     due = False
     tracker.global_progress = tracker._parse_swarm_progress_data(metadata)
-    tracker.look_now()  # the round became due: the fetcher, woken, finds no time left to wait
+    due = True
+    tracker.look_now()  # the round became due: the fetcher, woken, finds no time left to wait, and the record says so
     assert tracker.global_state_updated.is_set() and tracker.global_progress.next_fetch_time <= get_dht_time()
+    assert tracker.should_report_progress.is_set() and tracker.local_progress.samples_per_second == 0.0
     tracker.round_due = None  # per-step and the adapter: hivemind's pace throughout
     assert tracker._parse_swarm_progress_data(metadata).next_fetch_time <= get_dht_time() + 1.0
+
+
+def test_a_round_begins_without_the_settle_wait_once_every_other_peer_says_its_round_is_due():
+    tracker = _tracker(4)
+    tracker.round_due, tracker.others_present, tracker.settle_s = (lambda: True), (lambda: True), 60.0
+    # this peer's record says its round is due: a rate of 0, which hivemind's estimate never is
+    assert tracker._get_local_progress(4, 8).samples_per_second == 0.0
+    tracker.round_due = lambda: False
+    assert tracker._get_local_progress(4, 8).samples_per_second > 0.0
+    tracker.round_due = lambda: True
+
+    def ready(metadata) -> bool:
+        tracker.global_progress = tracker._parse_swarm_progress_data(metadata)
+        tracker._seen_samples, tracker._grew_at = tracker.global_progress.samples_accumulated, time.monotonic()
+        return tracker.ready_to_update_epoch
+
+    me = _entry(4, 8, peer=b"me")
+    assert ready({b"me": me, b"a": _entry(4, 8, peer=b"a", rate=0.0), b"b": _entry(4, 8, peer=b"b", rate=0.0)})
+    # one peer still training: the settle rule decides (60 s here)
+    assert not ready({b"me": me, b"a": _entry(4, 8, peer=b"a", rate=0.0), b"b": _entry(4, 8, peer=b"b")})
+    # a due record of an older epoch (a peer that only joins clients' rounds, announced at 4) says nothing of this one
+    tracker.announced_epochs = lambda: {PeerID(b"old").to_base58(): 4}
+    assert not ready({b"me": me, b"a": _entry(4, 8, peer=b"a", rate=0.0), b"old": _entry(3, 0, peer=b"old", rate=0.0)})
+    # what a read said of epoch 4 says nothing once this peer is at epoch 5
+    assert ready({b"me": me, b"a": _entry(4, 8, peer=b"a", rate=0.0)})
+    tracker.local_progress = tracker._get_local_progress(5, 0)
+    tracker.global_progress.epoch = 5
+    assert not tracker.ready_to_update_epoch
