@@ -33,6 +33,9 @@ pytestmark = [pytest.mark.netns, pytest.mark.skipif(REASON is not None,
                                                     reason=f"network namespaces unavailable: {REASON}")]
 
 RATE_MBIT = 4  # C's state (parameters and outer momentum, about 13 MB) takes 25 s and more; a round, a few seconds
+# a replay reaches back MAX_ROUNDS (16) rounds (node.lowcomm.roundlog): the tiny model's rounds, which begin as soon
+# as every node is done, would come about a second apart, and C's download would land too far behind every time
+MIN_ROUND_S = 3
 DONOR_RATE_MBIT = 8  # D's state, 13 MB, takes about 7 s from two donors at this rate, 14 s from one
 KILL_AFTER_S = 2.0  # after D begins to download: B has sent D a few of its ranges
 INNER = 4
@@ -47,7 +50,7 @@ def sparse_args(tmp_path) -> list[str]:
     text.write_text(shakespeare(30_000))
     return ["--model-config", str(TINY_CONFIG), "--train-data", str(text), "--local-batch-size", "2",
             "--local-seq-len", "32", "--sync", "low-comm", "--inner-steps", str(INNER), "--wire-codec", "sparse",
-            "--topk-fraction", "0.01"]
+            "--topk-fraction", "0.01", "--min-round-seconds", str(MIN_ROUND_S)]
 
 
 @pytest.mark.timeout(600)

@@ -39,7 +39,7 @@ class PacedTracker(ProgressTracker):
     handed to the DHT's process, five times a second per node, for a count no one needs until a round is due (0.05
     of a core per node, measured with two nodes). While this node's round is not due, it reads every
     `between_rounds_s`: often enough to see that the swarm moved on or that peers arrived. When the round becomes
-    due (`look_now`), the next read comes at once and then at hivemind's pace again, which the settle rule needs.
+    due (`round_is_due`), the next read comes at once and then at hivemind's pace again, which the settle rule needs.
     """
 
     def __init__(self, *args, settle_s: float, others_present: Callable[[], bool] = lambda: False,
@@ -58,6 +58,7 @@ class PacedTracker(ProgressTracker):
         self._seen_samples, self._grew_at = 0, time.monotonic()
         # the epoch at which every other peer the round counts said its round is due (the last read), if any
         self._others_due_at: Optional[int] = None
+        self._due_at: Optional[int] = None  # the epoch at which this node's round is due (`round_is_due`)
         super().__init__(*args, **kwargs)
 
     @property
@@ -103,15 +104,19 @@ class PacedTracker(ProgressTracker):
 
     def _get_local_progress(self, local_epoch: int, samples_accumulated: int) -> LocalTrainingProgress:
         progress = super()._get_local_progress(local_epoch, samples_accumulated)
-        if self.round_due is not None and self.round_due():  # trains no more in this epoch (above)
+        if self._due_at == local_epoch:  # trains no more in this epoch (above); the next epoch's record is as usual
             progress = progress.copy(update=dict(samples_per_second=0.0))
         return progress
 
-    def look_now(self) -> None:
-        """This node's round just became due: its record says so at once (a rate of 0), and the swarm's progress is
-        read now, not at the pace between rounds. (hivemind's fetcher waits on `global_state_updated` until
-        `next_fetch_time`; woken, it waits again for the time left, none.)"""
+    def round_is_due(self) -> None:
+        """This node's round is due in its epoch (low-comm; called whenever the node finds it so, once per epoch
+        counts): its record says so at once (a rate of 0), and the swarm's progress is read now, not at the pace
+        between rounds. (hivemind's fetcher waits on `global_state_updated` until `next_fetch_time`; woken, it waits
+        again for the time left, none.)"""
         local = self.local_progress
+        if self._due_at == local.epoch:
+            return
+        self._due_at = local.epoch
         self.report_local_progress(local.epoch, local.samples_accumulated)
         self.global_progress.next_fetch_time = get_dht_time()
         self.global_state_updated.set()

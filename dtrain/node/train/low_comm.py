@@ -73,9 +73,9 @@ class LowCommLoop:
         node = self.node
         opt, rounds = node.swarm.optimizer, node.rounds
         alone = node.alone()
-        was_due, self.round_due = self.round_due, rounds.due or (alone and not node.trains_on_own_data())
-        if self.round_due and not was_due:
-            opt.tracker.look_now()  # between rounds it reads the swarm's progress at a slower pace
+        self.round_due = rounds.due or (alone and not node.trains_on_own_data())
+        if self.round_due:  # its record says so, and it reads the swarm's progress at once (slower between rounds)
+            opt.tracker.round_is_due()
         if not self.round_due:
             self._report()
             return
