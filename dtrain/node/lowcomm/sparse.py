@@ -93,8 +93,7 @@ def top_k_indices(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
             at_least = at_least[~tie | (np.cumsum(tie) <= spare)]
         if at_least.size == k:  # else NaNs, which compare false
             return torch.from_numpy(at_least)
-    idx = torch.topk(magnitudes, k, sorted=False).indices.sort().values
-    return idx
+    return torch.topk(magnitudes, k, sorted=False).indices.sort().values
 
 
 @torch.no_grad()
