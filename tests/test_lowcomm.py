@@ -1,5 +1,4 @@
-"""The low-communication mode's pure parts: wire codecs and their byte counts, the deadlines derived from them, the
-outer Nesterov step, and one node's round bookkeeping (nothing dropped, nothing twice)."""
+"""The low-communication mode's pure parts: wire codecs and their byte counts, the outer Nesterov step, and one node's round bookkeeping (nothing dropped, nothing twice)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +7,7 @@ import torch
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor, serialize_torch_tensor
 
 from dtrain.node import memory
-from dtrain.node.lowcomm import codec, deadline
+from dtrain.node.lowcomm import codec
 from dtrain.node.lowcomm.outer import OuterNesterov, nesterov_
 from dtrain.node.lowcomm.rounds import InnerRounds
 
@@ -28,70 +27,6 @@ def test_codecs_round_trip_within_their_precision_and_cost_their_bytes(name, tol
 def test_unknown_codec_is_a_typed_error():
     with pytest.raises(codec.UnknownCodec):
         codec.compression("top1")
-
-
-def test_allreduce_bytes():
-    assert codec.allreduce_bytes(1000, 1, 4.0) == 0.0
-    assert codec.allreduce_bytes(1000, 2, 4.0) == 4000.0
-    assert codec.allreduce_bytes(900, 3, 1.0) == 1200.0
-
-
-def test_deadline_grows_with_bytes_and_keeps_the_floor():
-    d = deadline.round_deadline(250e6, floor_s=30.0, link_mbit=20.0)
-    assert d.seconds == pytest.approx(3.0 * 250e6 / 2.5e6) and "20 Mbit/s" in d.why
-    assert deadline.round_deadline(1e6, floor_s=30.0, link_mbit=20.0).seconds == 30.0
-    assert deadline.round_deadline(250e6, floor_s=30.0).seconds == 30.0  # nothing known: the floor
-    slow = deadline.round_deadline(250e6, floor_s=30.0, link_mbit=100.0, measured_bps=1e6)
-    assert slow.seconds == pytest.approx(750.0) and "measured" in slow.why  # the slower of the two
-
-
-def test_throughput_estimate_ignores_empty_rounds():
-    t = deadline.Throughput()
-    t.observe(0, 1.0)
-    t.observe(10.0, 0.0)
-    assert t.bps is None
-    t.observe(100.0, 1.0)
-    t.observe(300.0, 1.0)
-    assert t.bps == pytest.approx(200.0)
-
-
-def test_a_completed_round_measures_the_rate_and_only_a_slower_one_than_the_link_lengthens_the_deadline():
-    d = deadline.RoundDeadlines(sized_bytes=250e6, floor_s=30.0, link_mbit=20.0)  # 300 s at 2.5 MB/s, x3
-    assert d.current().seconds == pytest.approx(300.0)
-    d.completed(100e6, 10.0)  # 10 MB/s: faster than the link, which still decides
-    assert d.current().seconds == pytest.approx(300.0) and "20 Mbit/s" in d.current().why
-    d.completed(10e6, 10.0)  # 1 MB/s: the running estimate is 5.5 MB/s, still faster than the link
-    assert d.current().seconds == pytest.approx(300.0)
-    d.completed(1e6, 10.0)  # 0.1 MB/s now (a busy host, or a slower link): 2.8 MB/s, then 0.1 MB/s measured
-    d.completed(1e6, 10.0)
-    slow = d.current()
-    assert slow.seconds == pytest.approx(3.0 * 250e6 / (0.25 * 5.5e6 + 0.5 * 1e5 + 0.25 * 1e5))
-    assert "measured" in slow.why
-    for _ in range(20):  # the link recovers: the estimate follows, and the link's rate bounds it again
-        d.completed(100e6, 10.0)
-    assert d.current().seconds == pytest.approx(300.0)
-
-
-def test_a_round_that_ran_out_doubles_the_next_deadline_until_one_completes():
-    # no rate configured and a fast first measurement: the floor; then the link slows down and rounds run out,
-    # which measure nothing: without growing, the deadline would stay at the floor and every round abort
-    d = deadline.RoundDeadlines(sized_bytes=250e6, floor_s=30.0, link_mbit=0.0)
-    d.completed(1e9, 1.0)
-    assert d.current().seconds == 30.0
-    seconds = [30.0]
-    for _ in range(3):
-        d.ran_out(seconds[-1])
-        seconds.append(d.current().seconds)
-    assert seconds == pytest.approx([30.0, 60.0, 120.0, 240.0])
-    d.completed(250e6 / 200.0 * 1.0, 1.0)  # the round at 240 s completed: the link moves its bytes in 200 s
-    assert d.current().seconds == pytest.approx(3.0 * 250e6 / (0.5 * 250e6 / 200.0 + 0.5 * 3.0 * 250e6 / 240.0))
-    for _ in range(10):  # rounds that keep running out (a member frozen in each) stop growing it at 16x the first
-        d.ran_out(d.current().seconds)
-    assert d.current().seconds == pytest.approx(16 * 30.0)
-    # the link's rate is a lower bound the measurement never goes past; a run-out one below it still grows
-    d = deadline.RoundDeadlines(sized_bytes=250e6, floor_s=30.0, link_mbit=20.0)
-    d.ran_out(d.current().seconds)
-    assert d.current().seconds == pytest.approx(600.0) and "ran out of time" in d.current().why
 
 
 def test_outer_nesterov_matches_torch_sgd_and_passthrough_is_the_inner_update():

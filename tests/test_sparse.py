@@ -15,6 +15,7 @@ import torch
 
 from dtrain.node.lowcomm import codec, sparse
 from dtrain.node.lowcomm.rounds import InnerRounds
+from dtrain.node.swarm.deadlines import allreduce_bytes
 
 pytestmark = pytest.mark.unit
 
@@ -197,7 +198,7 @@ def test_the_average_is_the_weighted_mean_and_the_same_bits_every_time():
 
 def test_sparse_round_bytes_are_a_small_fraction_of_the_dense_ones():
     dense = codec.round_bytes("fp16", 1_000_000, 3)
-    assert dense == codec.allreduce_bytes(1_000_000, 3, 2.0) + codec.allreduce_bytes(1_000_000, 3, 4.0)
+    assert dense == allreduce_bytes(1_000_000, 3, 2.0) + allreduce_bytes(1_000_000, 3, 4.0)
     # top 1%: u32 indices and 8-bit values (an exponent per 64), 5.02 bytes per kept element; each member sends its
     # payload to the other two
     assert codec.round_bytes("sparse", 1_000_000, 3, 0.01) == pytest.approx(1_000_000 * 0.01 * (5 + 1 / 64) * 2)

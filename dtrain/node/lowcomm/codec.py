@@ -1,10 +1,18 @@
-"""Wire codecs of the pseudo-gradient all-reduce: their names, what hivemind compression each one is, and how many
-bytes an element costs on the wire (what the round deadlines are derived from)."""
+"""Wire codecs of the pseudo-gradient all-reduce: their names, what hivemind compression each one is, how many
+bytes an element costs on the wire (what the round deadlines are sized for: `round_sizes`), and how the swarm's
+gradient rounds average with each (`averaging`)."""
 from __future__ import annotations
+
+from functools import partial
 
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 
+from dtrain.node.config import SwarmConfig
 from dtrain.node.lowcomm import sparse
+from dtrain.node.lowcomm.gather import SparseGatherAverager
+from dtrain.node.swarm.commit import CommittingGradientAverager
+from dtrain.node.swarm.deadlines import DEADLINE_PEERS, RoundSizes, allreduce_bytes
+from dtrain.node.swarm.swarm import Averaging
 
 
 class UnknownCodec(ValueError):
@@ -21,6 +29,7 @@ CODECS = {
 # No 8-bit codec: hivemind's (Uniform8BitQuantization) clips at 6 standard deviations of a part, which a
 # pseudo-gradient's heavy tails exceed, and is built on torch's quantized tensors, which torch deprecates.
 PARAMS_BYTES = 4.0  # dense codecs: parameters are averaged after each outer round uncompressed (equal bytes)
+NEVER = 2 ** 31 - 1  # average_state_every that never comes: the sparse codec's outer steps agree to the bit
 
 
 def check(name: str) -> str:
@@ -51,9 +60,26 @@ def round_bytes(name: str, elements: int, peers: int, fraction: float = 1.0) -> 
     return allreduce_bytes(elements, peers, CODECS[name][0]) + allreduce_bytes(elements, peers, PARAMS_BYTES)
 
 
-def allreduce_bytes(elements: int, peers: int, bytes_per_value: float) -> float:
-    """Bytes one peer sends (and as many it receives) in one butterfly all-reduce of `elements` values among
-    `peers`: it sends every other reducer its part and returns every sender the average of its own part."""
-    if peers <= 1:
-        return 0.0
-    return 2.0 * elements * bytes_per_value * (peers - 1) / peers
+def round_sizes(swarm: SwarmConfig, elements: int) -> RoundSizes:
+    """The bytes a low-comm round's deadline is sized for, and what a round's exchange moved (node.swarm.deadlines)."""
+    if swarm.wire_codec == "sparse":  # every member sends its payload to every other member
+        def sparse_bytes(peers: int) -> float:
+            return round_bytes("sparse", elements, peers, swarm.topk_fraction)
+        return RoundSizes(sparse_bytes(DEADLINE_PEERS), sparse_bytes,
+                          f"top-{swarm.topk_fraction:g} sparse payloads with error feedback")
+    per_value = bytes_per_element(swarm.wire_codec)
+    return RoundSizes(elements * max(per_value, PARAMS_BYTES),
+                      lambda peers: allreduce_bytes(elements, peers, per_value), swarm.wire_codec)
+
+
+def averaging(swarm: SwarmConfig) -> Averaging:
+    """How a low-comm swarm's rounds average: the pseudo-gradient in `swarm.wire_codec`, the outer Nesterov step,
+    and only the parameters averaged after it (the outer momentum is each node's own, built from the same averaged
+    pseudo-gradients); with the sparse codec every member computes the same average from the same payloads
+    (node.lowcomm.gather), so the outer step gives the same bits everywhere and no parameter averaging follows."""
+    if check(swarm.wire_codec) == "sparse":
+        return Averaging(partial(SparseGatherAverager, fraction=swarm.topk_fraction),
+                         dict(grad_compression=compression("sparse"), average_opt_statistics=(),
+                              average_state_every=NEVER))
+    return Averaging(CommittingGradientAverager,
+                     dict(grad_compression=compression(swarm.wire_codec), average_opt_statistics=()))

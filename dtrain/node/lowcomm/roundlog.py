@@ -31,9 +31,9 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.utils.logging import get_logger
 
 from dtrain.node.lowcomm import sparse
-from dtrain.node.lowcomm.deadline import Deadline, round_deadline
 from dtrain.node.snapshot import params_digest
 from dtrain.node.swarm.agreement import reference_of
+from dtrain.node.swarm.deadlines import Deadline, round_deadline
 
 logger = get_logger(__name__)
 

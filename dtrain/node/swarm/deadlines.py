@@ -1,10 +1,23 @@
-"""The deadline of the swarm's next all-reduce, kept from each round's measured throughput (docs/low-communication.md,
-"Deadlines that fit the link").
+"""The deadline of the swarm's next all-reduce: sized for the bytes of a round at the link's rate, and kept from each
+round's measured throughput (docs/low-communication.md, "Deadlines that fit the link").
 
-`round_sizes` says which bytes the deadline must fit and which bytes a round's exchange moved, per sync mode.
-`RoundClock` runs on the training thread: after each gradient round it feeds the outcome into
-node.lowcomm.deadline.RoundDeadlines, and node.swarm.optimizer.SwarmOptimizer.retime sets the next deadline on every
-bound hivemind keeps of it, all to the same value, as the node has always configured them:
+A window sized for loopback aborts every round of a large model over a home uplink (GPT-2 small's full gradient is
+about 250 MB in fp16: more than 100 s at 20 Mbit/s). The deadline of one all-reduce is the time its bytes take at
+the slower of the configured link rate and the measured throughput of earlier rounds, times a margin, and never
+below the configured floor.
+
+`RoundDeadlines` is the feedback loop: every completed round measures the throughput of its exchange (the transfer,
+not the matchmaking before it nor the commit step after it), and the next round's deadline uses it. A measurement
+can only lengthen a deadline below what --link-mbit gives (the slower rate wins), so a fast first round followed by
+a slower link never leaves a deadline too short for the configured rate. A round that ran out of time measures
+nothing, so it doubles the next deadline instead (up to 16 times the first): a link slower than both rates gets
+rounds long enough to complete, and then a measurement.
+
+`RoundSizes` says which bytes the deadline must fit and which bytes a round's exchange moved: `per_step_sizes` here,
+node.lowcomm.codec.round_sizes for the low-comm codecs (the node picks).
+`RoundClock` runs on the training thread: after each gradient round it feeds the outcome into `RoundDeadlines`, and
+node.swarm.optimizer.SwarmOptimizer.retime sets the next deadline on every bound hivemind keeps of it, all to the
+same value, as the node has always configured them:
 - hivemind.Optimizer's `averaging_timeout` (how long a round, and a state-averaging round, may look for a group) and
   `allreduce_timeout` (the wait for a round's outcome, on top of its matchmaking);
 - each averager's `allreduce_timeout`, which its own process reads (the all-reduce's bound and, from it, the commit
@@ -22,8 +35,6 @@ from hivemind.utils.logging import get_logger
 from hivemind.utils.mpfuture import MPFuture
 
 from dtrain.node.config import SwarmConfig
-from dtrain.node.lowcomm import codec as lowcomm_codec
-from dtrain.node.lowcomm.deadline import Deadline, RoundDeadlines, round_deadline
 
 logger = get_logger(__name__)
 
@@ -33,6 +44,81 @@ DEADLINE_PEERS = 4  # the group size a round's deadline is sized for
 STATE_BYTES_PER_ELEMENT = {"low-comm": 8.0, "per-step": 12.0}
 RETIME_WAIT_S = 10.0  # bound on an averager's process taking a new deadline (it answers between its own tasks)
 RETIME_MIN_CHANGE = 0.05  # a deadline that moved by less than this fraction is left as it is
+MARGIN = 3.0  # a round may take this many times its bytes' transfer time: TCP ramp-up, uneven peers, a busy host
+SMOOTHING = 0.5  # weight of the newest throughput measurement in the running estimate
+GROWTH = 2.0  # a round that ran out of time makes the next deadline this many times as long
+MAX_GROWTH = 16.0  # rounds that run out grow it to at most this many times the first (measured rounds go further)
+
+
+@dataclass(frozen=True)
+class Deadline:
+    seconds: float
+    why: str  # how it was derived, for the log line of a round that is aborted
+
+
+def round_deadline(bytes_each_way: float, floor_s: float, link_mbit: float = 0.0,
+                   measured_bps: Optional[float] = None, measured: str = "measured") -> Deadline:
+    """Seconds one all-reduce may take. `link_mbit` 0: no configured rate; `measured_bps`: bytes/s seen so far
+    (`measured`: how it was known, for `why`)."""
+    rates = []
+    if link_mbit > 0:
+        rates.append((link_mbit * 1e6 / 8, f"the link's {link_mbit:g} Mbit/s"))
+    if measured_bps:
+        rates.append((measured_bps, f"{measured_bps * 8 / 1e6:.3g} Mbit/s {measured}"))
+    if not rates or bytes_each_way <= 0:
+        return Deadline(floor_s, f"the configured {floor_s:g}s (no rate known)")
+    rate, source = min(rates)
+    need = MARGIN * bytes_each_way / rate
+    if need <= floor_s:
+        return Deadline(floor_s, f"the configured {floor_s:g}s ({bytes_each_way / 1e6:.3g} MB at {source} "
+                                 f"needs {need:.1f}s with margin)")
+    return Deadline(need, f"{bytes_each_way / 1e6:.3g} MB at {source}, x{MARGIN:g}")
+
+
+class Throughput:
+    """Running estimate of the bytes per second a completed round moved (none before the first)."""
+
+    def __init__(self):
+        self.bps: Optional[float] = None
+        self.known = "measured"  # how the estimate was last set: a measurement, or a round that ran out of time
+
+    def observe(self, bytes_moved: float, seconds: float) -> None:
+        if bytes_moved <= 0 or not seconds > 0:
+            return
+        sample = bytes_moved / seconds
+        self.bps = sample if self.bps is None else SMOOTHING * sample + (1 - SMOOTHING) * self.bps
+        self.known = "measured"
+
+    def at_most(self, bps: float) -> None:
+        """The throughput is known to be below `bps` (a round that did not finish in time)."""
+        if bps > 0 and (self.bps is None or bps < self.bps):
+            self.bps, self.known = bps, "at most (a round ran out of time)"
+
+
+class RoundDeadlines:
+    """The deadline of the next round, sized for `sized_bytes` (what one member moves in the largest round the
+    deadline must fit), from --link-mbit and what earlier rounds measured; the floor is the configured timeout."""
+
+    def __init__(self, sized_bytes: float, floor_s: float, link_mbit: float = 0.0):
+        self.sized_bytes, self.floor_s, self.link_mbit = sized_bytes, floor_s, link_mbit
+        self.throughput = Throughput()
+        self.first_s = self.current().seconds
+
+    def current(self) -> Deadline:
+        return round_deadline(self.sized_bytes, self.floor_s, self.link_mbit, self.throughput.bps,
+                              self.throughput.known)
+
+    def completed(self, bytes_moved: float, seconds: float) -> None:
+        """A round completed: its exchange moved `bytes_moved` (this member's side) in `seconds`."""
+        self.throughput.observe(bytes_moved, seconds)
+
+    def ran_out(self, deadline_s: float) -> None:
+        """A round with a deadline of `deadline_s` ran out of time: the next one gets GROWTH times as long, up to
+        MAX_GROWTH times the first (a member frozen in every round would otherwise stretch them without end). The
+        estimate drops to the rate that gives it (never rises: a rate it already knows to be slower stands)."""
+        target = min(GROWTH * deadline_s, MAX_GROWTH * self.first_s)
+        if self.sized_bytes > 0 and target > 0:
+            self.throughput.at_most(MARGIN * self.sized_bytes / target)
 
 
 @dataclass(frozen=True)
@@ -42,28 +128,27 @@ class RoundSizes:
     what: str  # for the log line at start
 
 
-def round_sizes(swarm: SwarmConfig, elements: int) -> RoundSizes:
-    if swarm.sync != "low-comm":
-        # every update all-reduces the fp32 gradient, then the parameters and both Adam moments (three times its size)
-        return RoundSizes(lowcomm_codec.allreduce_bytes(3 * elements, DEADLINE_PEERS, 4.0),
-                          lambda peers: lowcomm_codec.allreduce_bytes(elements, peers, 4.0),
-                          "the gradient, then the parameters and Adam moments, in fp32")
-    if swarm.wire_codec == "sparse":  # every member sends its payload to every other member
-        def sparse_bytes(peers: int) -> float:
-            return lowcomm_codec.round_bytes("sparse", elements, peers, swarm.topk_fraction)
-        return RoundSizes(sparse_bytes(DEADLINE_PEERS), sparse_bytes,
-                          f"top-{swarm.topk_fraction:g} sparse payloads with error feedback")
-    per_value = lowcomm_codec.bytes_per_element(swarm.wire_codec)
-    return RoundSizes(elements * max(per_value, lowcomm_codec.PARAMS_BYTES),
-                      lambda peers: lowcomm_codec.allreduce_bytes(elements, peers, per_value), swarm.wire_codec)
+def allreduce_bytes(elements: int, peers: int, bytes_per_value: float) -> float:
+    """Bytes one peer sends (and as many it receives) in one butterfly all-reduce of `elements` values among
+    `peers`: it sends every other reducer its part and returns every sender the average of its own part."""
+    if peers <= 1:
+        return 0.0
+    return 2.0 * elements * bytes_per_value * (peers - 1) / peers
 
 
-def swarm_deadlines(swarm: SwarmConfig, elements: int) -> tuple[SwarmConfig, RoundDeadlines, RoundSizes]:
-    """The swarm's config with the first round's deadline as its averaging timeout and a state download's bound as
-    its load timeout, the deadlines that follow and the sizes they are computed from. --averaging-timeout and the
+def per_step_sizes(elements: int) -> RoundSizes:
+    """Per-step mode: every update all-reduces the fp32 gradient, then the parameters and both Adam moments (three
+    times its size)."""
+    return RoundSizes(allreduce_bytes(3 * elements, DEADLINE_PEERS, 4.0),
+                      lambda peers: allreduce_bytes(elements, peers, 4.0),
+                      "the gradient, then the parameters and Adam moments, in fp32")
+
+
+def swarm_deadlines(swarm: SwarmConfig, elements: int, sizes: RoundSizes) -> tuple[SwarmConfig, RoundDeadlines]:
+    """The swarm's config with the first round's deadline (for rounds of `sizes`) as its averaging timeout and a
+    state download's bound as its load timeout, and the deadlines that follow. --averaging-timeout and the
     load timeout are floors; --link-mbit is a low-comm rate. (A bound sized for loopback cut GPT-2 small's first
     download, 1 GB over a 20 Mbit/s uplink, every 120 s, and it started over each time.)"""
-    sizes = round_sizes(swarm, elements)
     link_mbit = swarm.link_mbit if swarm.sync == "low-comm" else 0.0
     deadlines = RoundDeadlines(sizes.deadline_bytes, swarm.averaging_timeout_s, link_mbit)
     first = deadlines.current()
@@ -73,7 +158,7 @@ def swarm_deadlines(swarm: SwarmConfig, elements: int) -> tuple[SwarmConfig, Rou
                     f"{sizes.what}; all-reduce deadline {first.seconds:.0f}s from {first.why}; a state download "
                     f"may take {download.seconds:.0f}s, from {download.why}")
     return (dataclasses.replace(swarm, averaging_timeout_s=first.seconds, load_state_timeout_s=download.seconds),
-            deadlines, sizes)
+            deadlines)
 
 
 class Retimable:

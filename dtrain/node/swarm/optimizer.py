@@ -21,9 +21,8 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
-from dtrain.node.lowcomm.deadline import Deadline
 from dtrain.node.swarm.commit import AbortedRound, chunk_timeout
-from dtrain.node.swarm.deadlines import Retimable, RoundClock
+from dtrain.node.swarm.deadlines import Deadline, Retimable, RoundClock
 from dtrain.node.swarm.groupsize import ExpectedGroup
 from dtrain.node.swarm.state import SwarmStateAverager
 from dtrain.node.swarm.tracker import PacedTracker

@@ -10,8 +10,9 @@ import contextlib
 import os
 import threading
 import time
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import hivemind
 import torch
@@ -19,8 +20,6 @@ from hivemind.p2p import P2P
 from hivemind.utils.logging import get_logger
 
 from dtrain.node import memory
-from dtrain.node.lowcomm import codec as lowcomm_codec
-from dtrain.node.lowcomm.gather import SparseGatherAverager
 from dtrain.node.swarm.commit import CommittingGradientAverager, chunk_timeout
 from dtrain.node.swarm.deadlines import RoundClock
 from dtrain.node.swarm.keygate import start_prover
@@ -37,7 +36,6 @@ logger = get_logger(__name__)
 
 # the tracker looks for fresh swarm progress at least this often: it bounds how far apart peers begin an update
 TRACKER_MAX_REFRESH_S = 1.0
-NEVER = 2 ** 31 - 1  # average_state_every that never comes: the sparse codec's outer steps agree to the bit
 SHUTDOWN_TIMEOUT_S = 5.0  # how long hivemind may take to leave the swarm when stopped under an update
 
 
@@ -53,17 +51,30 @@ def _closed_join(closed: bool):
         raise
 
 
+@dataclass(frozen=True)
+class Averaging:
+    """How the swarm's gradient rounds average: the gradient averager's class (given the node's record key and swarm
+    key) and hivemind.Optimizer's arguments for them. This one is per-step mode's: every node applies the same
+    averaged update, the gradients all-reduced, then the parameters and Adam moments (delay_state_averaging=False
+    keeps state averaging inside the update). Low-comm's: node.lowcomm.codec.averaging."""
+
+    averager: Callable[..., CommittingGradientAverager] = CommittingGradientAverager
+    optimizer_kwargs: Mapping[str, Any] = field(
+        default_factory=lambda: dict(average_state_every=1, average_opt_statistics=("exp_avg", "exp_avg_sq")))
+
+
 class Swarm:
     """The DHT and the collaborative optimizer of one node, and their bounded shutdown."""
 
     def __init__(self, config: SwarmConfig, local_optimizer: torch.optim.Optimizer,
                  local_gradients: Callable[[], Sequence[torch.Tensor]], verbose: bool = False,
-                 low_comm: bool = False, round_clock: Optional[RoundClock] = None,
+                 averaging: Averaging = Averaging(), round_clock: Optional[RoundClock] = None,
                  others_present: Callable[[], bool] = lambda: False, round_due: Optional[Callable[[], bool]] = None,
                  announced_epochs: Callable[[], Mapping[str, int]] = dict,
                  before_state_load: Optional[Callable[[], None]] = None):
-        """`round_clock`: keeps the all-reduce deadline from each round's measured throughput (node.swarm.deadlines);
-        None: `config.averaging_timeout_s` throughout. `local_gradients`, `others_present`, `round_due`,
+        """`averaging`: how the gradient rounds average (per-step mode's by default). `round_clock`: keeps the
+        all-reduce deadline from each round's measured throughput (node.swarm.deadlines); None:
+        `config.averaging_timeout_s` throughout. `local_gradients`, `others_present`, `round_due`,
         `announced_epochs` and `before_state_load`: what the node tells its optimizer
         (node.swarm.optimizer.SwarmOptimizer)."""
         self.config = config
@@ -111,20 +122,7 @@ class Swarm:
             if self.peer_id != self.owner.peer_id:  # records would name another peer than the one that wrote them
                 raise RuntimeError(f"p2pd runs as {self.peer_id}, not as the record key's peer {self.owner.peer_id}")
             self.maddrs = [str(addr) for addr in self.dht.get_visible_maddrs()]
-            # Every node applies the same averaged update: gradients are all-reduced, then parameters and Adam
-            # moments (delay_state_averaging=False keeps state averaging inside the update). In low-communication
-            # mode the "gradient" is the pseudo-gradient, compressed on the wire, the optimizer is the outer
-            # Nesterov step, and only the parameters are averaged after it; the outer momentum is each node's own,
-            # built from the same averaged pseudo-gradients.
-            low = dict(grad_compression=lowcomm_codec.compression(config.wire_codec),
-                       average_opt_statistics=()) if low_comm else dict(average_opt_statistics=("exp_avg", "exp_avg_sq"))
-            averager = partial(CommittingGradientAverager, record_subkey=self.owner.subkey, swarm_key=swarm_key)
-            if low_comm and config.wire_codec == "sparse":
-                # every member computes the same average from the same payloads (node.lowcomm.gather), so the
-                # outer step gives the same bits everywhere: no parameter averaging after it
-                averager = partial(SparseGatherAverager, record_subkey=self.owner.subkey, swarm_key=swarm_key,
-                                   fraction=config.topk_fraction)
-                low["average_state_every"] = NEVER
+            averager = partial(averaging.averager, record_subkey=self.owner.subkey, swarm_key=swarm_key)
             self.optimizer = SwarmOptimizer(
                 local_gradients=local_gradients,
                 others_present=others_present,
@@ -147,7 +145,7 @@ class Swarm:
                 reuse_grad_buffers=True,  # the node writes the exact samples-weighted gradient into .grad itself
                 # a gradient round is applied whole or not at all; members' outcomes are signed records
                 grad_averager_factory=averager,
-                **{"average_state_every": 1, **low},
+                **{"average_state_every": 1, **averaging.optimizer_kwargs},
                 averager_opts=dict(request_timeout=config.request_timeout_s),
                 # the tracker signs its progress records with the DHT's one record key (hivemind keeps the first
                 # RSASignatureValidator a DHT is given and ignores later ones)

@@ -32,6 +32,7 @@ from dtrain.node.config import ConfigError, ModelConfig, NodeConfig, TrainConfig
 from dtrain.node.contribution import Contribution
 from dtrain.node.data import TokenDataset
 from dtrain.node.device import resolve as resolve_device, threads_now
+from dtrain.node.lowcomm import codec as lowcomm_codec
 from dtrain.node.lowcomm.outer import OuterNesterov
 from dtrain.node.lowcomm.rounds import InnerRounds
 from dtrain.node.lowcomm.roundlog import CatchUp
@@ -53,9 +54,9 @@ from dtrain.node.swarm.presence import ANNOUNCE_EVERY_S, Presence
 from dtrain.node.train.reference import ReferenceConfig, ReferenceSource
 from dtrain.node.train.robust import RobustAggregator, RobustConfig
 from dtrain.node.snapshot import Snapshot, make_snapshot, params_digest
-from dtrain.node.swarm.deadlines import RoundClock, swarm_deadlines
+from dtrain.node.swarm.deadlines import RoundClock, per_step_sizes, swarm_deadlines
 from dtrain.node.swarm.state import SwarmStateAverager, keep_state_shared
-from dtrain.node.swarm.swarm import SHUTDOWN_TIMEOUT_S, Swarm
+from dtrain.node.swarm.swarm import SHUTDOWN_TIMEOUT_S, Averaging, Swarm
 
 logger = get_logger(__name__)
 
@@ -115,7 +116,9 @@ class TrainingNode:
         self.low_comm = config.swarm.sync == "low-comm"
         self.resident = self.low_comm and (self.device.is_cuda if resident is None else resident)
         # the all-reduce deadline: sized for the bytes of a round, kept from each round's measured throughput
-        self.swarm_config, deadlines, sizes = swarm_deadlines(config.swarm, self.total_params)
+        sizes = (lowcomm_codec.round_sizes(config.swarm, self.total_params) if self.low_comm
+                 else per_step_sizes(self.total_params))
+        self.swarm_config, deadlines = swarm_deadlines(config.swarm, self.total_params, sizes)
         self.round_clock = RoundClock(deadlines, sizes)
         self.intake = Intake(self.aggregator, self.ledger, self.gradient, [t.elements for t in self.tensors],
                              lambda: self.step, self.reference, optimizer=self._inner_optimizer)
@@ -284,7 +287,8 @@ class TrainingNode:
         local_gradients = (lambda: self.rounds.offer()) if self.low_comm else self.gradient.mean
         SwarmStateAverager.serve_mbit = cfg.swarm.serve_state_mbit  # read by the averager hivemind makes below
         self.swarm = swarm = Swarm(
-            self.swarm_config, local_opt, local_gradients=local_gradients, low_comm=self.low_comm,
+            self.swarm_config, local_opt, local_gradients=local_gradients,
+            averaging=lowcomm_codec.averaging(self.swarm_config) if self.low_comm else Averaging(),
             round_clock=self.round_clock,
             others_present=lambda: self.presence is not None and not self.presence.alone(),
             announced_epochs=lambda: self.presence.epochs() if self.presence is not None else {},
