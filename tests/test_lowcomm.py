@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hivemind.compression import CompressionInfo, deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 
 from dtrain.node import memory
 from dtrain.node.lowcomm import codec

@@ -12,7 +12,7 @@ import torch
 
 from google.protobuf import wrappers_pb2
 
-from dtrain.node.lowcomm import ranges, roundlog, sparse, statefetch
+from dtrain.node.lowcomm import ranges, record, roundlog, sparse, statefetch
 from dtrain.node.lowcomm.outer import OuterNesterov
 from tests.test_roundlog import payload
 
@@ -66,9 +66,13 @@ def test_a_piece_round_trips_and_every_malformed_answer_is_refused():
             pytest.fail(what)
 
 
+LIMIT = 150  # elements of a member's payload
+
+
 def swarm_states(rounds: int, seed: int = 0):
-    """The state (parameters, momentum) of every epoch 0..rounds of a swarm whose outer updates apply sparse
-    averages, with the node's own OuterNesterov, and the rounds as the log serves them."""
+    """The state (parameters, momentum) of every epoch 0..rounds of a swarm whose outer updates apply the averages
+    of two members' sparse payloads, with the node's own OuterNesterov, the rounds as the log serves them and their
+    averages (flat)."""
     g = torch.Generator().manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in SIZES]
     outer = OuterNesterov(params, lr=LR, momentum=MU)
@@ -80,18 +84,20 @@ def swarm_states(rounds: int, seed: int = 0):
         flat = lambda ts: torch.cat([t.detach().reshape(-1) for t in ts]).numpy().copy()
         return flat(params), flat(outer.state[p]["momentum_buffer"] for p in params)
 
-    states, logged = [state()], []
+    states, logged, averages = [state()], [], []
     for epoch in range(1, rounds + 1):
-        raw = payload(100 + epoch, count=150, total=TOTAL)
-        idx, values = sparse.decode(raw, TOTAL, TOTAL)
-        flat = torch.zeros(TOTAL)
-        flat[idx] = values
+        members = [(8.0, payload(100 + epoch, count=LIMIT, total=TOTAL)),
+                   (24.0, payload(200 + epoch, count=LIMIT, total=TOTAL))]
+        flat = sparse.average([sparse.decode(p, TOTAL, LIMIT, quantized=True) for _, p in members],
+                              [w for w, _ in members], TOTAL)
         for p, view in zip(params, flat.split(list(SIZES))):
             p.grad.copy_(view)
         outer.step()
         states.append(state())
-        logged.append(roundlog.Round(epoch, idx, values, raw))
-    return states, logged
+        raw = record.encode(members)
+        logged.append(roundlog.Round(epoch, raw, record.parse(raw, TOTAL, LIMIT)))
+        averages.append((epoch, flat))
+    return states, logged, averages
 
 
 def piece_of(states, epoch: int, r: ranges.Range) -> ranges.Piece:
@@ -100,19 +106,19 @@ def piece_of(states, epoch: int, r: ranges.Range) -> ranges.Piece:
 
 
 def test_a_range_brought_forward_is_that_range_of_the_newer_state_bit_for_bit():
-    states, rounds = swarm_states(6)
+    states, _, averages = swarm_states(6)
     for r in (ranges.Range(0, 1000), ranges.Range(3, 61), ranges.Range(299, 9), ranges.Range(999, 1)):
         for have in (0, 2, 5):
-            got = ranges.bring_forward(r, piece_of(states, have, r), rounds[have:], LR, MU)
+            got = ranges.bring_forward(r, piece_of(states, have, r), averages[have:], LR, MU)
             want = piece_of(states, 6, r)
             assert got.epoch == 6
             assert np.array_equal(got.params, want.params) and np.array_equal(got.momentum, want.momentum)
     with pytest.raises(ValueError):  # a round that does not follow the piece's epoch
-        ranges.bring_forward(ranges.Range(0, 10), piece_of(states, 1, ranges.Range(0, 10)), rounds[2:], LR, MU)
+        ranges.bring_forward(ranges.Range(0, 10), piece_of(states, 1, ranges.Range(0, 10)), averages[2:], LR, MU)
 
 
 def test_ranges_of_different_epochs_assemble_into_the_newest_state():
-    states, rounds = swarm_states(5)
+    states, rounds, _ = swarm_states(5)
     assembly = ranges.Assembly(TOTAL, range_elements=96)
     epochs = [2, 5, 3, 4, 5, 2, 5, 3, 4, 5, 3]  # as donors at different epochs answered
     assert len(epochs) == len(assembly.ranges)
@@ -127,7 +133,7 @@ def test_ranges_of_different_epochs_assemble_into_the_newest_state():
     with pytest.raises(ValueError):  # pieces of several epochs are not one state
         assembly.load_into(params, momentum)
     assert (assembly.oldest(), assembly.newest()) == (2, 5)
-    assembly.bring_forward(rounds[2:], LR, MU)
+    assembly.bring_forward(rounds[2:], LIMIT, LR, MU)
     assert assembly.load_into(params, momentum) == 5
     assert np.array_equal(torch.cat(params).numpy(), states[5][0])
     assert np.array_equal(torch.cat(momentum).numpy(), states[5][1])
@@ -135,7 +141,7 @@ def test_ranges_of_different_epochs_assemble_into_the_newest_state():
     with pytest.raises(ValueError):  # rounds that begin after a piece's next epoch
         stale = ranges.Assembly(TOTAL, range_elements=96)
         stale.add(stale.ranges[0], piece_of(states, 1, stale.ranges[0]))
-        stale.bring_forward(rounds[3:], LR, MU)
+        stale.bring_forward(rounds[3:], LIMIT, LR, MU)
     assert stale.drop_before(2) == 1 and stale.missing() == stale.ranges
     with pytest.raises(ValueError):  # a piece of another size than its range
         stale.add(stale.ranges[0], piece_of(states, 1, ranges.Range(0, 95)))

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from dtrain.node.lowcomm import roundlog, sparse
+from dtrain.node.lowcomm import record, roundlog, sparse
 from dtrain.node.lowcomm.outer import OuterNesterov
 
 pytestmark = pytest.mark.unit
@@ -16,10 +16,16 @@ TOTAL = 1000
 
 
 def payload(seed: int, count: int = 30, total: int = TOTAL) -> bytes:
+    """A member's payload as a node sends it: top-k values, 8-bit."""
     g = torch.Generator().manual_seed(seed)
     flat = torch.zeros(total)
     flat[torch.randperm(total, generator=g)[:count]] = torch.randn(count, generator=g)
-    return sparse.encode(flat)
+    return sparse.encode(sparse.quantize([flat])[0], quantized=True)
+
+
+def entry(seed: int, members: int = 2, count: int = 30, total: int = TOTAL) -> bytes:
+    """The record of a round of `members`, as the log keeps it."""
+    return record.encode([(float(8 * (m + 1)), payload(10 * seed + m, count, total)) for m in range(members)])
 
 
 def test_the_log_keeps_the_last_rounds_and_answers_without_gaps():
@@ -72,13 +78,12 @@ def test_an_answer_goes_out_in_bounded_pieces_that_join_to_the_frame():
 
 
 def test_frames_round_trip_and_every_malformed_answer_is_refused():
-    rounds = [(5, payload(5)), (6, payload(6)), (7, payload(7))]
+    rounds = [(5, entry(5)), (6, entry(6, members=3)), (7, entry(7, members=1))]
     data = roundlog.frame(rounds)
     decoded = roundlog.unframe(data, 4, 3, TOTAL, 100)
     assert [r.epoch for r in decoded] == [5, 6, 7]
     for (_, raw), r in zip(rounds, decoded):
-        ref_idx, ref_values = sparse.decode(raw, TOTAL, 100)
-        assert torch.equal(r.indices, ref_idx) and torch.equal(r.values, ref_values) and r.payload == raw
+        assert r.record == raw and r.members == record.parse(raw, TOTAL, 100)
     assert roundlog.unframe(b"", 4, 3, TOTAL, 100) == []  # a peer that holds none of them
 
     bad = {
@@ -88,7 +93,7 @@ def test_frames_round_trip_and_every_malformed_answer_is_refused():
         "truncated header": (data[:-len(rounds[2][1]) - 3], 4, 3),
         "truncated payload": (data[:-1], 4, 3),
         "too many elements": (roundlog.frame(rounds), 4, 3, 29),
-        "not a payload": (roundlog.FRAME.pack(5, 8) + b"XXXXXXXX", 4, 1),
+        "not a record": (roundlog.FRAME.pack(5, 8) + b"XXXXXXXX", 4, 1),
     }
     for what, (raw, after, count, *limit) in bad.items():
         with pytest.raises(roundlog.BadRoundLog):
@@ -96,10 +101,13 @@ def test_frames_round_trip_and_every_malformed_answer_is_refused():
             pytest.fail(what)
 
 
-def test_an_entry_bound_allows_a_groups_average_and_no_more_than_the_model():
+def test_an_answer_is_bounded_by_records_of_the_largest_group_of_top_k_members():
     sizes = [600, 400]
-    assert roundlog.entry_limit(sizes, 0.01) == roundlog.MAX_GROUP * (6 + 4)
-    assert roundlog.entry_limit(sizes, 0.5) == 1000
+    assert roundlog.member_limit(sizes, 0.01) == 6 + 4  # at least one element of every tensor
+    limit = roundlog.member_limit(sizes, 0.2)
+    one = record.max_bytes(record.MAX_MEMBERS, 1000, limit)
+    assert roundlog.max_answer_bytes(3, 1000, limit) == 3 * (roundlog.FRAME.size + one)
+    assert one == 4 + record.MAX_MEMBERS * (12 + sparse.payload_bytes(limit, 1000, quantized=True))
 
 
 def test_a_replay_gives_the_bits_of_the_updates_it_replays():
@@ -113,15 +121,13 @@ def test_a_replay_gives_the_bits_of_the_updates_it_replays():
     again_opt.passthrough = True  # replay never uses the passthrough of a node alone
     rounds = []
     for epoch in range(1, 5):
-        payloads = [sparse.decode(payload(10 * epoch + m), TOTAL, 100) for m in range(3)]
-        average = sparse.average(payloads, [8.0, 8.0, 16.0], TOTAL)
-        offset = 0
-        for p in live:  # the swarm's update: the average in .grad, one outer step
-            p.grad.copy_(average[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        members = [(w, payload(10 * epoch + m)) for m, w in enumerate([8.0, 8.0, 16.0])]
+        # the swarm's update: each member's average of the payloads in .grad (node.lowcomm.gather), one outer step
+        sparse.average_into((sparse.decode(p, TOTAL, 100, quantized=True) for _, p in members),
+                            [w for w, _ in members], [p.grad for p in live])
         live_opt.step()
-        rounds.append((epoch, sparse.encode(average)))
-    roundlog.replay(again, again_opt, roundlog.unframe(roundlog.frame(rounds), 0, 4, TOTAL, TOTAL))
+        rounds.append((epoch, record.encode(members)))
+    roundlog.replay(again, again_opt, roundlog.unframe(roundlog.frame(rounds), 0, 4, TOTAL, 100), 100)
     for a, b in zip(live, again):
         assert torch.equal(a, b)
         assert torch.equal(live_opt.state[a]["momentum_buffer"], again_opt.state[b]["momentum_buffer"])
@@ -129,18 +135,17 @@ def test_a_replay_gives_the_bits_of_the_updates_it_replays():
 
 
 def test_a_node_replays_only_while_the_rounds_cost_less_than_the_state():
-    # three peers at top-20%: an average marks up to 60% of the model (a bitmask) in f32, 2.525 bytes per element
-    per_round = roundlog.replay_bytes_per_element(3, 0.2)
-    assert per_round == pytest.approx(1 / 8 + 4 * 0.6)
-    assert 3 * per_round < roundlog.STATE_BYTES_PER_ELEMENT <= 4 * per_round
-    assert roundlog.replay_bytes_per_element(10, 0.2) == pytest.approx(1 / 8 + 4.0)  # never more than dense
+    # three peers at top-20%: a round's record is their three payloads, 8-bit values and a bitmask each
+    per_round = record.bytes_per_element(3, 0.2)
+    assert per_round == pytest.approx(3 * (1 / 8 + 0.2 * (1 + 1 / 64)))
+    assert 8 * per_round < roundlog.STATE_BYTES_PER_ELEMENT <= 9 * per_round
 
 
 def test_an_answer_may_take_what_its_rounds_need_at_the_link():
     gpt2_small = 124_046_592
-    one_round = roundlog.fetch_timeout(1, 2, 0.2, gpt2_small, link_mbit=20.0)
-    # 214 MB (two members' top-20% union: 1/8 + 4 x 0.4 bytes per element) at 20 Mbit/s, x3
-    assert one_round.seconds == pytest.approx(3 * 1.725 * gpt2_small * 8 / 20e6)
-    assert roundlog.fetch_timeout(2, 2, 0.2, gpt2_small, 20.0).seconds == pytest.approx(2 * one_round.seconds)
-    assert roundlog.fetch_timeout(1, 2, 0.2, 1_600_000, 20.0).seconds == roundlog.FETCH_TIMEOUT_S  # the floor
+    three = roundlog.fetch_timeout(3, 2, 0.2, gpt2_small, link_mbit=20.0)
+    # 81 MB a round (two members' top-20% payloads: 1/8 + 0.2 x (1 + 1/64) bytes per element each) at 20 Mbit/s, x3
+    assert three.seconds == pytest.approx(3 * 3 * 2 * 0.328125 * gpt2_small * 8 / 20e6)
+    assert roundlog.fetch_timeout(6, 2, 0.2, gpt2_small, 20.0).seconds == pytest.approx(2 * three.seconds)
+    assert roundlog.fetch_timeout(1, 2, 0.2, gpt2_small, 20.0).seconds == roundlog.FETCH_TIMEOUT_S  # the floor
     assert roundlog.fetch_timeout(1, 2, 0.2, gpt2_small, 0.0).seconds == roundlog.FETCH_TIMEOUT_S  # no rate known

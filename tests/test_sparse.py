@@ -374,21 +374,6 @@ def test_a_bitmask_decoded_piece_by_piece_gives_the_positions_of_one_pass(monkey
         sparse.decode(_bitmask("1111111111", [1.0] * 3), total=10, limit=10)
 
 
-@pytest.mark.parametrize("density", [0.5, 0.01])  # a bitmask, indices
-def test_a_payload_streamed_into_a_file_is_the_payload_encode_makes(monkeypatch, tmp_path, density):
-    rng = np.random.default_rng(5)
-    tensors = [torch.from_numpy(np.where(rng.random(n) < density, rng.standard_normal(n), 0.0).astype(np.float32))
-               for n in (37, 1, 250, 9, 703)]
-    monkeypatch.setattr(sparse, "STREAM_ELEMENTS", 16)  # pieces across the tensors' bounds
-    with open(tmp_path / "payload", "w+b") as f:
-        size = sparse.encode_into(f, tensors)
-        f.seek(0)
-        streamed = f.read()
-    expected = sparse.encode(tensors)
-    assert streamed == expected and size == len(expected)
-    assert expected[8] == (sparse.BITMASK if density == 0.5 else sparse.INDICES)
-
-
 @pytest.mark.parametrize("density, max_count", [(0.5, None), (0.01, None), (0.01, 5000)])  # bitmask, indices, and
 def test_a_payload_built_tensor_by_tensor_is_the_payload_encode_makes(density, max_count):  # a bitmask turned to indices
     rng = np.random.default_rng(9)

@@ -13,15 +13,21 @@ swaps payloads with every full member, and the group's first full member (its hu
 the other client-mode members, whom nobody can dial. The commit step (node.swarm.commit) then makes the round all
 or nothing: a member says complete only if it holds every member's payload, checked (node.lowcomm.sparse.decode)
 before use.
+
+The node and its averager's process share two unlinked files (`RoundFiles`, opened before the fork): the node
+writes there the payload it offers (the one it built, so the averager does not encode `.grad` again), and the
+averager writes there each round's record, every member's payload and weight (node.lowcomm.record), which the node
+keeps in its round log once it applies that round's average.
 """
 from __future__ import annotations
 
 import asyncio
+import os
+import tempfile
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import AsyncIterator, Dict, NamedTuple, Optional, Sequence
 
-import torch
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import P2PContext, PeerID
@@ -30,7 +36,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, enter_asynchronously
 from hivemind.utils.logging import get_logger
 
-from dtrain.node.lowcomm import sparse
+from dtrain.node.lowcomm import record, sparse
 from dtrain.node.swarm.commit import CommittingGradientAverager, commit_window
 
 logger = get_logger(__name__)
@@ -105,6 +111,53 @@ class _TooLarge(Exception):
     pass
 
 
+class RoundFiles:
+    """Two unlinked temporary files a node and its averager's process share (made before the fork; nothing is left
+    on disk whatever happens to either): `offer`, the payload the node offers in its next round (empty: none, the
+    averager encodes `.grad`), written by the node; `record`, the last round whose average the averager computed,
+    written by the averager. Each is written whole before the other side reads it: the node writes its offer before
+    its step, and reads a record after its round returned, before the next one begins."""
+
+    def __init__(self):
+        self._offer = tempfile.TemporaryFile(prefix="dtrain-offer-")
+        self._record = tempfile.TemporaryFile(prefix="dtrain-record-")
+
+    def hand_offer(self, payload: Optional[bytes]) -> None:
+        fd = self._offer.fileno()
+        os.ftruncate(fd, 0)
+        if payload:
+            record.pwrite_all(fd, payload, 0)
+
+    def offer(self) -> Optional[bytes]:
+        fd = self._offer.fileno()
+        size = os.fstat(fd).st_size
+        return _pread(fd, size, 0) if size else None
+
+    def write_record(self, members: Sequence[tuple[float, bytes]]) -> None:
+        record.write(self._record.fileno(), members)
+
+    def copy_record(self, into) -> int:
+        """The last record, copied into the file `into` (in the kernel: no copy in this process); its size."""
+        src, dst = self._record.fileno(), into.fileno()
+        size, done = os.fstat(src).st_size, 0
+        while done < size:
+            n = os.copy_file_range(src, dst, size - done, done, done)
+            if n <= 0:
+                raise OSError(f"the round's record ended at byte {done} of {size}")
+            done += n
+        return size
+
+
+def _pread(fd: int, size: int, at: int) -> bytes:
+    out = bytearray()
+    while len(out) < size:
+        piece = os.pread(fd, size - len(out), at + len(out))
+        if not piece:
+            break
+        out += piece
+    return bytes(out)
+
+
 class SparseGatherAverager(CommittingGradientAverager):
     """A CommittingGradientAverager whose round is an all-to-all exchange of sparse payloads.
 
@@ -112,6 +165,7 @@ class SparseGatherAverager(CommittingGradientAverager):
 
     def __init__(self, *args, fraction: float, **kwargs):
         self.fraction = fraction
+        self.round_files = RoundFiles()  # before hivemind forks the averager's process: both hold them
         self._rounds: Dict[bytes, _Round] = {}
         self._round_begun: Optional[asyncio.Condition] = None
         super().__init__(*args, **kwargs)
@@ -147,7 +201,7 @@ class SparseGatherAverager(CommittingGradientAverager):
         if runner_slot is not None and not runner_slot.done():
             runner_slot.set_result(None)
         total, limit = self._limits
-        own = sparse.encode(tensors, quantized=True)
+        own = self.round_files.offer() or sparse.encode(tensors, quantized=True)
         weight = float(weight)
 
         round_ = _Round(group_info.peer_ids, my_plan, weight, own)
@@ -180,6 +234,10 @@ class SparseGatherAverager(CommittingGradientAverager):
             sparse.average_into(decoded, [round_.payloads[peer][0] for peer in group_info.peer_ids], tensors)
         except ValueError as e:
             return gathered, f"a payload was refused: {e}"
+        try:  # the node logs it if it applies this round (node.lowcomm.roundlog.CatchUp)
+            self.round_files.write_record([round_.payloads[peer] for peer in group_info.peer_ids])
+        except (OSError, record.BadRecord) as e:  # the round goes on; the node finds no record of it to log
+            logger.warning(f"Could not write the round's record: {e!r}")
         return gathered, None
 
     async def _call(self, peer: PeerID, group_id: bytes, round_: _Round) -> Optional[str]:

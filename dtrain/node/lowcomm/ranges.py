@@ -5,8 +5,8 @@ and the assembly of ranges of different epochs into one state. Pure: no network,
 The state of epoch e is the same bytes on every node of a sparse swarm: the parameters and the outer Nesterov
 momentum (node.lowcomm.gather). A range is `length` consecutive elements of the model's flat parameter order,
 starting at `offset`, with both its parameters and its momentum: the outer step is elementwise, so a range of epoch
-e and the averages of rounds e+1..E (node.lowcomm.roundlog) give that range of epoch E exactly (`bring_forward`),
-and ranges that came from donors at different epochs assemble into one state of the newest.
+e and the averages of rounds e+1..E (from their records: node.lowcomm.roundlog) give that range of epoch E exactly
+(`bring_forward`), and ranges that came from donors at different epochs assemble into one state of the newest.
 
 Request (little-endian): u64 offset, u32 length. Answer: u64 epoch, u64 offset, u32 length, then `length` f32
 parameters and `length` f32 momentum values.
@@ -95,21 +95,18 @@ def decode_piece(data: bytes, want: Range, min_epoch: int, max_epoch: int) -> Pi
 
 
 @torch.no_grad()
-def bring_forward(r: Range, piece: Piece, rounds: Sequence, lr: float, momentum: float) -> Piece:
-    """`piece` of range `r` at the epoch of the last of `rounds`: each round's average (node.lowcomm.roundlog.Round:
-    flat increasing indices, f32 values; epochs piece.epoch + 1, + 2, ...) applied to the range alone with the outer
-    Nesterov step, the same operations the swarm's update made on the whole tensors."""
+def bring_forward(r: Range, piece: Piece, averages: Sequence[tuple[int, torch.Tensor]], lr: float,
+                  momentum: float) -> Piece:
+    """`piece` of range `r` at the epoch of the last of `averages` ((epoch, the round's average over the whole model,
+    flat f32), epochs piece.epoch + 1, + 2, ...) applied to the range alone with the outer Nesterov step, the same
+    operations the swarm's update made on the whole tensors."""
     epoch = piece.epoch
     p, buf = torch.from_numpy(piece.params.copy()), torch.from_numpy(piece.momentum.copy())
-    g = torch.empty_like(p)
-    for rnd in rounds:
-        if rnd.epoch != epoch + 1:
-            raise ValueError(f"round {rnd.epoch} applied to a range of epoch {epoch}")
-        lo, hi = torch.searchsorted(rnd.indices, torch.tensor([r.offset, r.end])).tolist()
-        g.zero_()
-        g[rnd.indices[lo:hi] - r.offset] = rnd.values[lo:hi]
-        nesterov_(p, g, buf, lr, momentum)
-        epoch = rnd.epoch
+    for round_epoch, average in averages:
+        if round_epoch != epoch + 1:
+            raise ValueError(f"round {round_epoch} applied to a range of epoch {epoch}")
+        nesterov_(p, average[r.offset:r.end], buf, lr, momentum)
+        epoch = round_epoch
     return Piece(epoch, p.numpy(), buf.numpy())
 
 
@@ -143,17 +140,23 @@ class Assembly:
             del self.pieces[r]
         return len(old)
 
-    def bring_forward(self, rounds: Sequence, lr: float, momentum: float) -> None:
-        """Every piece older than the last of `rounds` (consecutive, covering every such piece's later epochs)
-        brought to that epoch."""
+    def bring_forward(self, rounds: Sequence, limit: int, lr: float, momentum: float) -> None:
+        """Every piece older than the last of `rounds` (node.lowcomm.roundlog.Round, consecutive, covering every
+        such piece's later epochs; `limit`: the elements of a member's payload) brought to that epoch. Each round's
+        average is computed once (one flat f32 copy of the model at a time) and applied to every piece that is at
+        the epoch before it."""
         if not rounds:
             return
-        first = rounds[0].epoch
-        for r, piece in list(self.pieces.items()):
-            if piece.epoch < rounds[-1].epoch:
-                if piece.epoch + 1 < first:
-                    raise ValueError(f"range {r} is of epoch {piece.epoch}; the rounds begin at {first}")
-                self.pieces[r] = bring_forward(r, piece, rounds[piece.epoch + 1 - first:], lr, momentum)
+        first, last = rounds[0].epoch, rounds[-1].epoch
+        for r, piece in self.pieces.items():
+            if piece.epoch < last and piece.epoch + 1 < first:
+                raise ValueError(f"range {r} is of epoch {piece.epoch}; the rounds begin at {first}")
+        average = torch.empty(self.total, dtype=torch.float32)
+        for rnd in rounds:
+            rnd.average_into([average], self.total, limit)
+            for r, piece in list(self.pieces.items()):
+                if piece.epoch == rnd.epoch - 1:
+                    self.pieces[r] = bring_forward(r, piece, [(rnd.epoch, average)], lr, momentum)
 
     def load_into(self, params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]) -> int:
         """Write the whole state, every piece of one epoch, into the tensors (the model's flat order); returns that

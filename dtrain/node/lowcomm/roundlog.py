@@ -1,18 +1,18 @@
 """The sparse swarm's last outer rounds, kept so that a node a few rounds behind replays them instead of downloading
 the whole state (docs/low-communication.md, "Catching up over a slow link").
 
-With `--wire-codec sparse` a node's outer update is a function of the round's averaged pseudo-gradient alone: the
-same average, the same outer Nesterov step, the same bits on every node (node.lowcomm.gather). So a node that holds
-the state of epoch e (parameters and outer momentum) and the averages of rounds e+1..E computes the state of epoch
-E exactly, for the averages' non-zero elements (8 bytes each, at most the group's size x `--topk-fraction` of the
-model per round) instead of the parameters and the momentum (8 bytes per parameter); it replays only while that
-is the smaller. Every node keeps the averages
-of its last MAX_ROUNDS clean rounds and serves them (LOG_HANDLER); a node behind asks a peer that serves the
-swarm's epoch, applies them, and serves the result only if its digest is what the peers publish for that epoch.
-Anything else (a gap in the log, a peer that does not answer, another digest) falls back to the full download.
+With `--wire-codec sparse` a node's outer update is a function of the round's members' payloads alone: the same
+payloads, the same average, the same outer Nesterov step, the same bits on every node (node.lowcomm.gather). So a
+node that holds the state of epoch e (parameters and outer momentum) and the records of rounds e+1..E (every
+member's payload and weight: node.lowcomm.record) computes the state of epoch E exactly, for what the rounds' members
+received (0.33 bytes per model element per member at top-0.2) instead of the parameters and the momentum (8 bytes
+per parameter); it replays only while that is the smaller. Every node keeps the records of its last MAX_ROUNDS
+outer updates and serves them (LOG_HANDLER); a node behind asks a peer that serves the swarm's epoch, applies them,
+and serves the result only if its digest is what the peers publish for that epoch. Anything else (a gap in the log,
+a peer that does not answer, another digest) falls back to the full download.
 
-Wire format of an answer (little-endian): for each round, u64 epoch, u32 byte count, then the average as a sparse
-payload (node.lowcomm.sparse); rounds in increasing epoch order, each one epoch after the one before.
+Wire format of an answer (little-endian): for each round, u64 epoch, u32 byte count, then its record; rounds in
+increasing epoch order, each one epoch after the one before.
 """
 from __future__ import annotations
 
@@ -30,16 +30,16 @@ from google.protobuf import wrappers_pb2
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.utils.logging import get_logger
 
-from dtrain.node.lowcomm import sparse
+from dtrain.node.lowcomm import record, sparse
+from dtrain.node.lowcomm.gather import RoundFiles
 from dtrain.node.snapshot import params_digest
 from dtrain.node.swarm.agreement import reference_of
 from dtrain.node.swarm.deadlines import Deadline, round_deadline
 
 logger = get_logger(__name__)
 
-LOG_HANDLER = "dtrain.lowcomm.rounds"
+LOG_HANDLER = "dtrain.lowcomm.round_records"
 MAX_ROUNDS = 16  # rounds a node keeps, and the most a node behind replays
-MAX_GROUP = 16  # members of a round whose average a log entry may carry (a larger group's is refused: download)
 CHUNK_BYTES = 1 << 20
 MAX_DONORS = 3  # peers asked for their log before the node downloads the state instead
 FETCH_TIMEOUT_S = 120.0  # the least one answer may take; more when its bytes need it at --link-mbit
@@ -54,22 +54,15 @@ class BadRoundLog(ValueError):
 STATE_BYTES_PER_ELEMENT = 8.0  # a download: the parameters and the outer momentum, fp32
 
 
-def replay_bytes_per_element(peers: int, fraction: float) -> float:
-    """Bytes per model element of one round's average in the log, at most: `peers` payloads' positions, f32 values."""
-    density = min(1.0, peers * fraction)
-    return min(4 * density, 1 / 8) + 4 * density
-
-
 def fetch_timeout(count: int, peers: int, fraction: float, total: int, link_mbit: float) -> Deadline:
     """How long an answer of `count` rounds may take: 3x their bytes at `link_mbit`, never under FETCH_TIMEOUT_S.
-    (GPT-2 small's round is about 200 MB: 80 s at 20 Mbit/s on an idle uplink, more while the donor's uplink also
-    carries its own round; a fixed 120 s cut it, and the node downloaded the whole state instead.)"""
-    return round_deadline(count * replay_bytes_per_element(peers, fraction) * total, FETCH_TIMEOUT_S, link_mbit)
+    (A fixed 120 s cut GPT-2 small's rounds behind 20 Mbit/s, and the node downloaded the whole state instead.)"""
+    return round_deadline(count * record.bytes_per_element(peers, fraction) * total, FETCH_TIMEOUT_S, link_mbit)
 
 
-def entry_limit(sizes: Sequence[int], fraction: float) -> int:
-    """Elements one round's average may carry: MAX_GROUP members' payloads, at most the whole model."""
-    return min(sum(sizes), MAX_GROUP * sparse.max_kept(sizes, fraction))
+def member_limit(sizes: Sequence[int], fraction: float) -> int:
+    """Elements one member's payload in a record may carry: a top-k offer of a model of `sizes`."""
+    return sparse.max_kept(sizes, fraction)
 
 
 class OnDisk:
@@ -104,7 +97,7 @@ class OnDisk:
 
 
 class RoundLog:
-    """The averages of this node's last clean outer rounds, by the epoch each one made (thread-safe): at most
+    """The records of this node's last outer updates, by the epoch each one made (thread-safe): at most
     `max_rounds`, and the newest rounds whose payloads fit in `max_bytes` (a node behind by more bytes of rounds
     than the state's downloads the state instead, so an older round would be held for nobody). Each round's bytes
     are kept on disk (`OnDisk`); an answer reads them back in pieces."""
@@ -115,13 +108,13 @@ class RoundLog:
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def add(self, epoch: int, average: bytes | OnDisk) -> None:
-        average = average if isinstance(average, OnDisk) else OnDisk(average)
+    def add(self, epoch: int, entry: bytes | OnDisk) -> None:
+        entry = entry if isinstance(entry, OnDisk) else OnDisk(entry)
         with self._lock:
             if self._rounds and epoch <= next(reversed(self._rounds)):
                 self._clear()  # the node went back (a download of an older epoch): the log starts again
-            self._rounds[epoch] = average
-            self._bytes += len(average)
+            self._rounds[epoch] = entry
+            self._bytes += len(entry)
             while len(self._rounds) > self._max or (self._max_bytes is not None and self._bytes > self._max_bytes):
                 self._bytes -= len(self._rounds.popitem(last=False)[1])
 
@@ -169,13 +162,17 @@ def frames(rounds: Sequence[tuple[int, bytes | OnDisk]], chunk: int = CHUNK_BYTE
 
 class Round(NamedTuple):
     epoch: int
-    indices: torch.Tensor  # int64
-    values: torch.Tensor  # float32
-    payload: bytes  # as it came, to be kept and served again
+    record: bytes  # as it came, to be kept and served again
+    members: list[record.Member]
+
+    def average_into(self, out: Sequence[torch.Tensor], total: int, limit: int) -> None:
+        """The round's average in `out` (node.lowcomm.record.average_into)."""
+        record.average_into(self.record, self.members, out, total, limit)
 
 
 def unframe(data: bytes, after: int, count: int, total: int, limit: int) -> list[Round]:
-    """Each round of an answer to (after, count), every payload checked."""
+    """Each round of an answer to (after, count), every record checked down to its payloads' headers (`limit`: the
+    elements of a member's payload, `member_limit`)."""
     rounds, offset = [], 0
     while offset < len(data):
         if len(data) - offset < FRAME.size:
@@ -188,16 +185,16 @@ def unframe(data: bytes, after: int, count: int, total: int, limit: int) -> list
             raise BadRoundLog(f"round {epoch} claims {size} bytes, {len(data) - offset} left")
         raw = data[offset:offset + size]
         try:
-            idx, values = sparse.decode(raw, total, limit)
-        except sparse.BadPayload as e:
+            members = record.parse(raw, total, limit)
+        except record.BadRecord as e:
             raise BadRoundLog(f"round {epoch}: {e}") from None
-        rounds.append(Round(epoch, idx, values, raw))
+        rounds.append(Round(epoch, raw, members))
         offset += size
     return rounds
 
 
 def max_answer_bytes(count: int, total: int, limit: int) -> int:
-    return count * (FRAME.size + sparse.payload_bytes(limit, total, quantized=False))
+    return count * (FRAME.size + record.max_bytes(record.MAX_MEMBERS, total, limit))
 
 
 def handler(log: RoundLog):
@@ -229,19 +226,17 @@ async def fetch(p2p: P2P, peer: PeerID, after: int, count: int, max_bytes: int, 
 
 
 @torch.no_grad()
-def replay(params: Sequence[torch.Tensor], outer: torch.optim.Optimizer, rounds: Sequence[Round]) -> None:
+def replay(params: Sequence[torch.Tensor], outer: torch.optim.Optimizer, rounds: Sequence[Round], limit: int) -> None:
     """Apply each round's average to `params` with the outer optimizer, as the swarm's update did: the average in
-    `.grad`, one outer (never passthrough) step from the parameters as they are (no round's source)."""
-    flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)
-    views = flat.split([p.numel() for p in params])
+    `.grad`, one outer (never passthrough) step from the parameters as they are (no round's source).
+    sparse.BadPayload for a member's payload the codec refuses (the parameters are then part-way)."""
+    grads = [p.grad for p in params]
+    total = sum(p.numel() for p in params)
     passthrough, source = getattr(outer, "passthrough", False), getattr(outer, "source", None)
     outer.passthrough, outer.source = False, None
     try:
         for r in rounds:
-            flat.zero_()
-            flat[r.indices] = r.values
-            for p, view in zip(params, views):
-                p.grad.copy_(view.view_as(p))
+            r.average_into(grads, total, limit)
             outer.step()
     finally:
         outer.passthrough, outer.source = passthrough, source
@@ -259,8 +254,9 @@ class CatchUp:
         self._params = list(model.parameters())
         self._total = sum(p.numel() for p in self._params)
         self.log = RoundLog(max_bytes=int(STATE_BYTES_PER_ELEMENT * self._total))
-        self._limit = entry_limit([p.numel() for p in self._params], fraction)
+        self._limit = member_limit([p.numel() for p in self._params], fraction)
         self._fraction = fraction
+        self._files: RoundFiles = swarm.optimizer.grad_averager.round_files  # node.lowcomm.gather
         self._pending: Optional[OnDisk] = None
         swarm.service.add_handler(LOG_HANDLER, handler(self.log), wrappers_pb2.BytesValue, stream_output=True)
         swarm.optimizer.before_update = self._stash
@@ -268,13 +264,31 @@ class CatchUp:
         swarm.optimizer.node_catches_up = True  # SwarmFollower.catch_up: a replay, else a checked download
 
     def _stash(self) -> None:
-        """What the outer step is about to apply, read from .grad (not the pseudo-gradient a node alone applies
-        as it is: its inner updates are the spec's updates, which no average describes)."""
+        """The record of what the outer step is about to apply: the round's, when .grad holds its average, else this
+        node's own offer as a record of one member (none for a node alone, which applies its pseudo-gradient as it
+        is: its inner updates are the spec's updates, which no record describes)."""
         opt = self._swarm.optimizer
+        self._pending = None
         if getattr(opt.state_averager.optimizer, "passthrough", False):
-            self._pending = None
             return
-        self._pending = OnDisk(write=lambda f: sparse.encode_into(f, [p.grad for p in self._params]))
+        offer = self._files.offer()
+        if offer is None:
+            logger.warning("An outer update with no sparse offer of this node: no round log holds it")
+            return
+        if len(opt.round_group) <= 1:
+            self._pending = OnDisk(record.encode([(1.0, offer)]))
+            return
+        entry = OnDisk(write=self._files.copy_record)
+        try:
+            members = record.parse(entry, self._total, self._limit)
+        except record.BadRecord as e:
+            logger.warning(f"The round's record is not one: {e}; no round log holds this update")
+            return
+        if not any(m.length == len(offer) and entry[m.offset:m.offset + m.length] == offer for m in members):
+            logger.warning("The averager's last record is of another round (this node's offer is not in it); no "
+                           "round log holds this update")
+            return
+        self._pending = entry
 
     def record(self, outcome) -> None:
         """After an outer update: keep what it applied under the epoch it made."""
@@ -296,7 +310,7 @@ class CatchUp:
         if not 0 < count <= MAX_ROUNDS:
             return False
         peers = max(2, opt.tracker.global_progress.num_peers)
-        if count * replay_bytes_per_element(peers, self._fraction) >= STATE_BYTES_PER_ELEMENT:
+        if count * record.bytes_per_element(peers, self._fraction) >= STATE_BYTES_PER_ELEMENT:
             logger.info(f"{count} rounds behind among {peers} peers at top-{self._fraction:g}: downloading the state "
                         f"costs less than replaying them")
             return False
@@ -326,14 +340,18 @@ class CatchUp:
             if len(rounds) != count:
                 logger.info(f"{donor} holds {len(rounds)} of the {count} rounds after epoch {have}")
                 continue
-            replay(self._params, opt.state_averager.optimizer, rounds)
+            try:
+                replay(self._params, opt.state_averager.optimizer, rounds, self._limit)
+            except sparse.BadPayload as e:  # the parameters are part-way: downloaded instead
+                logger.warning(f"A round from {donor} holds a payload the codec refuses ({e}); downloading the state")
+                return False
             if params_digest(self._model) != digest:
                 logger.warning(f"Replaying rounds {have + 1}..{want} did not give the bytes the swarm serves for "
                                f"epoch {want}; downloading the state")
                 return False
             adopt_epoch(opt, want)
             for r in rounds:  # verified by the digest: this node serves them too from now on
-                self.log.add(r.epoch, r.payload)
+                self.log.add(r.epoch, r.record)
             logger.info(f"Caught up from epoch {have} to {want} by replaying {count} rounds from {donor}: "
                         f"{len(data) / 1e6:.2f} MB in {time.monotonic() - began:.1f}s instead of the whole state")
             return True

@@ -174,6 +174,10 @@ class InnerRounds:
                 buffer.zero_()
                 buffer.view(-1)[torch.from_numpy(local)] = torch.from_numpy(values).mul_(scale)
 
+    def payload(self) -> Optional[bytes]:
+        """The sparse offer's payload, as it goes on the wire (node.lowcomm.sparse); None for a dense offer."""
+        return self._offer.payload if isinstance(self._offer, _SparseOffer) else None
+
     def begin(self) -> "RoundSource":
         """Enter the outer round with the parameters where the inner updates left them; returns what the outer step
         reads of the round (node.lowcomm.outer.OuterNesterov.source). A round in progress goes on."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import BinaryIO, Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -194,42 +194,7 @@ def encode(flat, quantized: bool = False) -> bytes:
     return _assemble(layout, positions, values, quantized)
 
 
-STREAM_ELEMENTS = 1 << 23  # model elements read at once by `encode_into` (a multiple of 8: whole bitmask bytes)
 UNPACK_BYTES = 1 << 22  # bitmask bytes unpacked at once: positions are found without a byte per model element
-
-
-@torch.no_grad()
-def encode_into(out: BinaryIO, tensors: Sequence[torch.Tensor]) -> int:
-    """`encode(tensors)` (f32 values) written to `out` as it is made, returning its size: it holds a piece of the
-    model and one tensor's values at a time, never the positions of the whole model, its values or the payload (a
-    GPT-2 medium round's average is about 0.6 GB, which `encode` holds about three times over)."""
-    flats = [t.detach().reshape(-1).to(torch.float32) for t in tensors]
-    total = sum(f.numel() for f in flats)
-    count = sum(int(torch.count_nonzero(f)) for f in flats)
-    bitmask = (total + 7) // 8 < 4 * count
-    size = out.write(HEADER.pack(MAGIC, count, BITMASK if bitmask else INDICES, F32))
-    if bitmask:  # pieces of the flat model, across tensor bounds, STREAM_ELEMENTS (whole bytes) at a time
-        piece, filled = np.empty(STREAM_ELEMENTS, np.float32), 0
-        for f in flats:
-            data, at = f.numpy(), 0
-            while at < data.size:
-                n = min(data.size - at, STREAM_ELEMENTS - filled)
-                piece[filled:filled + n] = data[at:at + n]
-                filled, at = filled + n, at + n
-                if filled == STREAM_ELEMENTS:
-                    size += out.write(np.packbits(piece != 0, bitorder="little").tobytes())
-                    filled = 0
-        if filled:
-            size += out.write(np.packbits(piece[:filled] != 0, bitorder="little").tobytes())
-    else:
-        offset = 0
-        for f in flats:
-            size += out.write((np.flatnonzero(f.numpy()) + offset).astype("<u4").tobytes())
-            offset += f.numel()
-    for f in flats:
-        data = f.numpy()
-        size += out.write(data[data != 0].astype("<f4").tobytes())
-    return size
 
 
 class PayloadBuilder:

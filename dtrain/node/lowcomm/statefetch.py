@@ -181,7 +181,7 @@ class SpreadDownload:
         self._swarm, self._agreement, self._model = swarm, agreement, model
         self._params = list(model.parameters())
         self._total = sum(p.numel() for p in self._params)
-        self._limit = roundlog.entry_limit([p.numel() for p in self._params], fraction)
+        self._limit = roundlog.member_limit([p.numel() for p in self._params], fraction)
         self._max_donors, self._stop, self._announce = max_donors, stop, announce
         outer = swarm.optimizer.state_averager.optimizer
         self._outer = outer
@@ -279,7 +279,7 @@ class SpreadDownload:
                 logger.info(f"No round log from {donor}: {e!r}")
                 continue
             if len(rounds) == count:
-                self.assembly.bring_forward(rounds, self._lr, self._mu)
+                self.assembly.bring_forward(rounds, self._limit, self._lr, self._mu)
                 logger.info(f"Brought the ranges of epochs {oldest}..{newest - 1} to epoch {newest} with the "
                             f"rounds from {donor}")
                 return True

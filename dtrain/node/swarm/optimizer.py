@@ -120,6 +120,11 @@ class SwarmOptimizer(hivemind.Optimizer):
     def peer_id(self) -> str:
         return str(self.dht.peer_id)
 
+    @property
+    def round_group(self) -> tuple[str, ...]:
+        """The peers whose gradients the update being made averages (this peer alone when it uses its own)."""
+        return self._round_group
+
     def _load_exact_local_gradients(self) -> None:
         params = [p for group in self.state_averager.optimizer.param_groups for p in group["params"]]
         with torch.no_grad():
