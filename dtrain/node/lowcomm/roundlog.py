@@ -17,6 +17,7 @@ increasing epoch order, each one epoch after the one before.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import struct
 import tempfile
@@ -42,6 +43,9 @@ LOG_HANDLER = "dtrain.lowcomm.round_records"
 MAX_ROUNDS = 16  # rounds a node keeps, and the most a node behind replays
 CHUNK_BYTES = 1 << 20
 MAX_DONORS = 3  # peers asked for their log before the node downloads the state instead
+COLLECT_EVERY_S = 2.0  # while a node downloads the state, how often it fetches the rounds made meanwhile
+COLLECT_STATES = 2.0  # it collects at most this many times the state's bytes of rounds
+COLLECT_LOOK_BACK = 3  # epochs below the swarm's it looks at for the newest one peers publish their bytes of
 FETCH_TIMEOUT_S = 120.0  # the least one answer may take; more when its bytes need it at --link-mbit
 REQUEST = struct.Struct("<QI")  # the last epoch the asker holds, how many rounds it wants after it
 FRAME = struct.Struct("<QI")  # a round's epoch, its payload's bytes
@@ -162,7 +166,7 @@ def frames(rounds: Sequence[tuple[int, bytes | OnDisk]], chunk: int = CHUNK_BYTE
 
 class Round(NamedTuple):
     epoch: int
-    record: bytes  # as it came, to be kept and served again
+    record: bytes | OnDisk  # as it came, to be kept and served again
     members: list[record.Member]
 
     def average_into(self, out: Sequence[torch.Tensor], total: int, limit: int) -> None:
@@ -244,9 +248,10 @@ def replay(params: Sequence[torch.Tensor], outer: torch.optim.Optimizer, rounds:
 
 class CatchUp:
     """A sparse node's round log, filled after each of its outer updates (averaged, or its own after a failed
-    round) and served to its peers, and its own catch-up by replay. A download of the state empties the log: the
-    updates before it were this node's, not necessarily the swarm's. `swarm` is the node's
-    node.swarm.swarm.Swarm, `agreement` its node.swarm.agreement.Agreement."""
+    round) and served to its peers, and its own catch-up by replay, with the rounds it collected while it downloaded
+    the state (`collecting`). A download of the state empties the log: the updates before it were this node's, not
+    necessarily the swarm's. `swarm` is the node's node.swarm.swarm.Swarm, `agreement` its
+    node.swarm.agreement.Agreement."""
 
     def __init__(self, swarm, agreement, model: torch.nn.Module, fraction: float, link_mbit: float = 0.0):
         self._link_mbit = link_mbit
@@ -258,6 +263,8 @@ class CatchUp:
         self._fraction = fraction
         self._files: RoundFiles = swarm.optimizer.grad_averager.round_files  # node.lowcomm.gather
         self._pending: Optional[OnDisk] = None
+        self._collected: dict[int, Round] = {}  # rounds fetched while the node downloaded (`collecting`)
+        self._collected_lock = threading.Lock()
         swarm.service.add_handler(LOG_HANDLER, handler(self.log), wrappers_pb2.BytesValue, stream_output=True)
         swarm.optimizer.before_update = self._stash
         swarm.optimizer.on_state_loaded = self.forget
@@ -302,17 +309,17 @@ class CatchUp:
 
     def replay(self) -> bool:
         """Bring the parameters (at the anchor: the served bytes of the node's epoch) and the outer momentum to the
-        swarm's epoch from a peer's log; True when the result is the bytes the peers publish for that epoch. False
-        leaves the parameters anywhere: the caller downloads the state."""
+        swarm's epoch with the rounds collected during a download (`collecting`) and the rest from a peer's log;
+        True when the result is the bytes the peers publish for that epoch. False leaves the parameters anywhere: the
+        caller downloads the state."""
         opt = self._swarm.optimizer
         have, want = opt.local_epoch, self._agreement.saw(opt.tracker.global_epoch)
-        count = want - have
-        if not 0 < count <= MAX_ROUNDS:
-            return False
-        peers = max(2, opt.tracker.global_progress.num_peers)
-        if count * record.bytes_per_element(peers, self._fraction) >= STATE_BYTES_PER_ELEMENT:
-            logger.info(f"{count} rounds behind among {peers} peers at top-{self._fraction:g}: downloading the state "
-                        f"costs less than replaying them")
+        with self._collected_lock:  # the rounds after `have` it collected, without a gap; no later replay uses them
+            collected = []
+            while have + 1 + len(collected) in self._collected:
+                collected.append(self._collected[have + 1 + len(collected)])
+            self._collected.clear()
+        if want - have <= 0:
             return False
         # the swarm's newest epoch may still be in the making (no record yet): then the one before, if it is ahead
         for want in (want, want - 1):
@@ -323,39 +330,119 @@ class CatchUp:
         if found is None:
             logger.info(f"No peer publishes its bytes for epoch {want} yet: nothing to check a replay against")
             return False
-        count, digest = want - have, found[1].digest
-        donors = [peer for peer, r in records.items()
-                  if r.digest == digest and not r.client and peer != self._swarm.peer_id][:MAX_DONORS]
+        collected = collected[:want - have]
+        after, count, digest = have + len(collected), want - have - len(collected), found[1].digest
+        peers = max(2, opt.tracker.global_progress.num_peers)
+        if count > MAX_ROUNDS:
+            return False
+        if count * record.bytes_per_element(peers, self._fraction) >= STATE_BYTES_PER_ELEMENT:
+            logger.info(f"{count} rounds behind among {peers} peers at top-{self._fraction:g}: downloading the state "
+                        f"costs less than replaying them")
+            return False
+        began = time.monotonic()
+        fetched, source = self._fetch(self._donors(records, digest), after, count, peers) if count else ([], "")
+        if fetched is None:
+            return False
+        rounds = collected + fetched
+        try:
+            replay(self._params, opt.state_averager.optimizer, rounds, self._limit)
+        except sparse.BadPayload as e:  # the parameters are part-way: downloaded instead
+            logger.warning(f"A round holds a payload the codec refuses ({e}); downloading the state")
+            return False
+        if params_digest(self._model) != digest:
+            logger.warning(f"Replaying rounds {have + 1}..{want} did not give the bytes the swarm serves for "
+                           f"epoch {want}; downloading the state")
+            return False
+        adopt_epoch(opt, want)
+        for r in rounds:  # verified by the digest: this node serves them too from now on
+            self.log.add(r.epoch, r.record)
+        moved = sum(len(r.record) for r in fetched) / 1e6
+        logger.info(f"Caught up from epoch {have} to {want} by replaying {len(rounds)} rounds"
+                    + (f" ({len(collected)} collected while it downloaded)" if collected else "")
+                    + (f" from {source}: {moved:.2f} MB" if fetched else "")
+                    + f" in {time.monotonic() - began:.1f}s instead of the whole state")
+        return True
+
+    def _donors(self, records, digest: str) -> list[str]:
+        """The full peers whose `records` say they serve `digest`, by their state-sharing priority, highest first."""
+        return [peer for peer, r in sorted(records.items(), key=lambda item: -item[1].priority)
+                if r.digest == digest and not r.client and peer != self._swarm.peer_id]
+
+    def _fetch(self, donors: Sequence[str], after: int, count: int, peers: int,
+               some: bool = False) -> tuple[Optional[list[Round]], str]:
+        """The `count` rounds after epoch `after` (`some`: as many of them as a donor holds, at least one) from the
+        first MAX_DONORS of `donors` that answers with them: (the rounds, the donor), or (None, "")."""
         timeout = fetch_timeout(count, peers, self._fraction, self._total, self._link_mbit)
-        for donor in donors:
-            began = time.monotonic()
+        say = logger.debug if some else logger.info  # collecting asks every few seconds
+        for donor in donors[:MAX_DONORS]:
             try:
                 data = self._swarm.service.run(fetch(
-                    self._swarm.service.p2p, PeerID.from_base58(donor), have, count,
+                    self._swarm.service.p2p, PeerID.from_base58(donor), after, count,
                     max_answer_bytes(count, self._total, self._limit), timeout.seconds), timeout.seconds + 5.0)
-                rounds = unframe(data, have, count, self._total, self._limit)
+                rounds = unframe(data, after, count, self._total, self._limit)
             except Exception as e:  # no answer, a timeout, a malformed log: the next donor, then the download
-                logger.info(f"No round log from {donor} (within {timeout.seconds:.0f}s, from {timeout.why}): {e!r}")
+                say(f"No round log from {donor} (within {timeout.seconds:.0f}s, from {timeout.why}): {e!r}")
                 continue
-            if len(rounds) != count:
-                logger.info(f"{donor} holds {len(rounds)} of the {count} rounds after epoch {have}")
+            if len(rounds) == count or (some and rounds):
+                return rounds, donor
+            say(f"{donor} holds {len(rounds)} of the {count} rounds after epoch {after}")
+        return None, ""
+
+    @contextlib.contextmanager
+    def collecting(self) -> Iterator[None]:
+        """While the caller downloads the state: the records of the rounds the swarm makes meanwhile, asked every
+        COLLECT_EVERY_S from the epoch before the one the download begins at, for the replay that follows it. A
+        download that takes longer than the rounds the peers' logs hold lands behind them; without these, the node
+        downloads again and lands as far behind, with no end. They are asked of the peers of lowest state-sharing
+        priority first (the download is from the highest: over a saturated link, a request on the same connection
+        waits behind the state), and checked as any replay: by the digest the result must have."""
+        done = threading.Event()
+        with self._collected_lock:
+            self._collected.clear()
+        opt = self._swarm.optimizer
+        want = self._agreement.saw(opt.tracker.global_epoch)
+        donors = []
+        for epoch in range(want, max(0, want - COLLECT_LOOK_BACK), -1):  # on fast rounds the records lag the epoch
+            found = reference_of(records := self._agreement.records(epoch))
+            if found is not None:
+                donors = self._donors(records, found[1].digest)[::-1]
+                break
+        thread = threading.Thread(target=self._collect, args=(max(0, want - 1), donors, done),
+                                  name="dtrain-collect-rounds", daemon=True)
+        if donors:
+            thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            with self._collected_lock:
+                collected = sorted(self._collected)
+                held = sum(len(self._collected[e].record) for e in collected)
+            if collected:
+                logger.info(f"Collected rounds {collected[0]}..{collected[-1]} ({held / 1e6:.2f} MB) while downloading")
+
+    def _collect(self, after: int, donors: list[str], done: threading.Event) -> None:
+        opt, held = self._swarm.optimizer, 0
+        budget = COLLECT_STATES * STATE_BYTES_PER_ELEMENT * self._total
+        while not done.wait(COLLECT_EVERY_S):
+            try:  # whatever the peers' logs hold after the last round collected
+                peers = max(2, opt.tracker.global_progress.num_peers)
+                rounds, _ = self._fetch(donors, after, MAX_ROUNDS, peers, some=True)
+            except Exception as e:  # the download goes on; the replay after it fetches what is missing
+                logger.debug(f"Collecting rounds after epoch {after} failed: {e!r}")
                 continue
-            try:
-                replay(self._params, opt.state_averager.optimizer, rounds, self._limit)
-            except sparse.BadPayload as e:  # the parameters are part-way: downloaded instead
-                logger.warning(f"A round from {donor} holds a payload the codec refuses ({e}); downloading the state")
-                return False
-            if params_digest(self._model) != digest:
-                logger.warning(f"Replaying rounds {have + 1}..{want} did not give the bytes the swarm serves for "
-                               f"epoch {want}; downloading the state")
-                return False
-            adopt_epoch(opt, want)
-            for r in rounds:  # verified by the digest: this node serves them too from now on
-                self.log.add(r.epoch, r.record)
-            logger.info(f"Caught up from epoch {have} to {want} by replaying {count} rounds from {donor}: "
-                        f"{len(data) / 1e6:.2f} MB in {time.monotonic() - began:.1f}s instead of the whole state")
-            return True
-        return False
+            if not rounds:
+                continue
+            with self._collected_lock:
+                if done.is_set():
+                    return
+                for r in rounds:  # on disk, as the log keeps them
+                    self._collected[r.epoch] = Round(r.epoch, OnDisk(r.record), r.members)
+            held, after = held + sum(len(r.record) for r in rounds), rounds[-1].epoch
+            if held >= budget:
+                logger.info(f"Collected {held / 1e6:.1f} MB of rounds while downloading, {COLLECT_STATES:g}x the "
+                            f"state's bytes: no more")
+                return
 
 
 def adopt_epoch(opt, epoch: int) -> None:

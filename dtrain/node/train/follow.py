@@ -7,9 +7,12 @@ disagrees with (docs/low-communication.md, "How a node joins").
 - Later (the training thread): a replay of the rounds it missed where the round log holds them
   (node.lowcomm.roundlog), else a download; then the downloaded bytes are served and the round in progress goes on
   on top of them, arriving late into the epoch the others have trained part of.
+- Every download from one peer collects the rounds the swarm makes meanwhile, so the replay after it does not
+  depend on the peers' logs still holding them (`CatchUp.collecting`).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -78,7 +81,7 @@ class SwarmFollower:
             # announced while it downloads, so that the nodes it joins are not alone: they make outer rounds every
             # --inner-steps (per-step: gather --local-samples-per-update) instead of an update per batch, which a
             # download that takes longer never catches (the joiner would arrive behind them and download again)
-            with node.presence.announcing(0):
+            with node.presence.announcing(0), self._collecting():
                 result = node.agreement.load_state_from_peers()
             if result is not Download.REFUSED:
                 break
@@ -120,7 +123,8 @@ class SwarmFollower:
     def _download_to_catch_up(self) -> Download:
         node = self.node
         opt = node.swarm.optimizer
-        download = node.agreement.load_state_from_peers()
+        with self._collecting():
+            download = node.agreement.load_state_from_peers()
         if download is Download.UNCHECKED and node.catchup is not None and \
                 node.agreement.saw(opt.tracker.global_epoch) > opt.local_epoch:
             # the peers' records of the downloaded epoch expired while it came (it took longer than their last rounds):
@@ -131,6 +135,10 @@ class SwarmFollower:
             elif params_digest(node.model) != before:  # a replay that did not give the swarm's bytes
                 download = Download.REFUSED
         return download
+
+    def _collecting(self):
+        """While a download runs: the rounds made meanwhile, for the replay after it (node.lowcomm.roundlog)."""
+        return self.node.catchup.collecting() if self.node.catchup is not None else contextlib.nullcontext()
 
     def arrive_late(self) -> None:
         """Low-comm: a node that arrives in an epoch the others have trained part of (after a download or a replay)

@@ -304,6 +304,9 @@ class TrainingNode:
         self.agreement = Agreement(swarm.dht, opt, self.model, self.swarm_config, self._stop, seed_digest,
                                    swarm.owner)
         self._rng = np.random.default_rng(int.from_bytes(swarm.peer_id.encode()[-8:], "little"))
+        if self.low_comm and cfg.swarm.wire_codec == "sparse":
+            # every node computes the same outer step: a node behind may replay rounds (a joiner's download too)
+            self.catchup = CatchUp(swarm, self.agreement, self.model, cfg.swarm.topk_fraction, cfg.swarm.link_mbit)
 
         checked = restored is not None  # bytes this node may vouch for: a checkpoint, or a checked download
         founder = not cfg.swarm.initial_peers
@@ -331,10 +334,9 @@ class TrainingNode:
                             f"values once per outer round")
             self.rounds = InnerRounds(list(self.model.parameters()), inner, cfg.swarm.inner_steps, fraction,
                                       published=self._served_f32, min_round_s=self._min_round_s(), trained=trained)
-            if fraction is not None:  # every node computes the same outer step: a node behind may replay rounds
-                self.catchup = CatchUp(swarm, self.agreement, self.model, fraction, cfg.swarm.link_mbit)
-                if cfg.swarm.state_donors > 0 and not swarm.client_mode:  # nobody can dial a client-mode peer
-                    self.donor = RangeDonor(self.total_params, swarm.service, cfg.swarm.serve_state_mbit)
+            if fraction is not None and cfg.swarm.state_donors > 0 and not swarm.client_mode:
+                # nobody can dial a client-mode peer
+                self.donor = RangeDonor(self.total_params, swarm.service, cfg.swarm.serve_state_mbit)
         self.publisher = StepPublisher(self.model, swarm, self.agreement, self.gradient, self.pool, self.low_comm,
                                        donor=self.donor, losses=self._losses)
         for callback in self._snapshot_listeners:
