@@ -391,7 +391,8 @@ class CatchUp:
     @contextlib.contextmanager
     def collecting(self) -> Iterator[None]:
         """While the caller downloads the state: the records of the rounds the swarm makes meanwhile, asked every
-        COLLECT_EVERY_S from the epoch before the one the download begins at, for the replay that follows it. A
+        COLLECT_EVERY_S, from the swarm's epoch as the download begins (the one a donor serves; a donor still at the
+        epoch before serves that, and the replay asks a log for the round in between), for the replay that follows. A
         download that takes longer than the rounds the peers' logs hold lands behind them; without these, the node
         downloads again and lands as far behind, with no end. They are asked of the peers of lowest state-sharing
         priority first (the download is from the highest: over a saturated link, a request on the same connection
@@ -407,7 +408,7 @@ class CatchUp:
             if found is not None:
                 donors = self._donors(records, found[1].digest)[::-1]
                 break
-        thread = threading.Thread(target=self._collect, args=(max(0, want - 1), donors, done),
+        thread = threading.Thread(target=self._collect, args=(want, donors, done),
                                   name="dtrain-collect-rounds", daemon=True)
         if donors:
             thread.start()
