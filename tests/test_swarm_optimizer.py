@@ -162,6 +162,49 @@ def test_a_client_mode_peer_whose_round_fails_makes_no_update(single_peer):
         peer_c.shutdown()
 
 
+def test_a_peer_whose_round_fails_in_the_epoch_it_arrived_in_late_makes_no_update(single_peer):
+    """A node that arrived late into an epoch (after a download or a replay) whose round misses the others' makes
+    no update of its own there: theirs is the swarm's, and its own would be bytes they do not have (it would then
+    download the whole state). In any other epoch its failed round is an update on its own gradient, as before."""
+    model_a, _, opt_a, _ = single_peer
+    model_b = build_model(ModelConfig.load(TINY_CONFIG))
+    config = SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), initial_peers=tuple(opt_a.dht.get_visible_maddrs()),
+                         run_id=opt_a.run_id, target_batch_size=6, matchmaking_time_s=1.0, request_timeout_s=0.5,
+                         averaging_timeout_s=5.0)
+    grads_b = []
+    peer_b = swarm.Swarm(config, make_local_optimizer(model_b, TRAIN), local_gradients=lambda: grads_b)
+    try:
+        opt_b = peer_b.optimizer
+        assert peer_b.wait_for_progress(timeout_s=10)
+        grads_b[:] = _gradient(model_b)
+        with torch.no_grad():
+            for p, g in zip(model_b.parameters(), grads_b):
+                p.grad.copy_(g)
+        with torch.no_grad():
+            for p, g in zip(model_a.parameters(), grads_b):
+                p.grad.copy_(g)
+        opt_a.step(batch_size=2)  # A's progress: B counts A, which never joins B's rounds
+        assert opt_a.local_epoch == 0
+        before = [p.detach().clone() for p in model_b.parameters()]
+        opt_b.arrived_in = 0
+
+        def fail_rounds(until) -> None:  # B reaches the target and gathers a round that A, not averaging, misses
+            deadline = time.monotonic() + 30
+            while not until() and time.monotonic() < deadline:
+                opt_b.step(batch_size=6 if opt_b.grad_averager.local_samples_accumulated == 0 else 0)
+
+        fail_rounds(lambda: opt_b.skipped_rounds >= 1)
+        assert opt_b.skipped_rounds >= 1 and opt_b.local_epoch == 0 and opt_b.last_round is None
+        assert all(torch.equal(p, q) for p, q in zip(model_b.parameters(), before))
+        opt_b.arrived_in = None  # the rule, and nothing else, kept B from updating alone
+        fail_rounds(lambda: opt_b.local_epoch == 1)
+        assert opt_b.local_epoch == 1 and opt_b.last_round.group == (opt_b.peer_id,)
+        assert not all(torch.equal(p, q) for p, q in zip(model_b.parameters(), before))
+        assert opt_a.local_epoch == 0
+    finally:
+        peer_b.shutdown()
+
+
 def test_a_state_handed_to_a_download_is_one_moments_copy(single_peer):
     """What the state averager streams to a downloading peer does not change when the node trains on during the
     download (hivemind would stream views of the live tensors, serialized when the stream reaches each one)."""

@@ -80,6 +80,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._round_group: tuple[str, ...] = ()
         self._round_clean = False
         self.skipped_rounds = 0  # rounds that failed with no gradient this peer could apply alone: no update
+        self.arrived_in: Optional[int] = None  # the epoch this peer arrived in late (node.train.follow.arrive_late)
         self._round_samples = 0  # samples this peer brought to the round being run
         self._next_skip_log = 0.0
         # called with .grad holding what an update is about to apply (averaged, or this peer's own)
@@ -102,11 +103,13 @@ class SwarmOptimizer(hivemind.Optimizer):
             next_chunk_timeout=self.next_chunk_timeout, client_mode=self.client_mode, auxiliary=self.auxiliary,
             start=True, **kwargs)
 
-    def _no_round_alone(self, reason: str) -> None:
+    def _no_round_alone(self, reason: str, others: bool = True) -> None:
         # A client-mode peer never updates alone (see the class docstring); nor does a full peer that only joined
         # the round for client-mode peers' sake (no samples of its own): alone, its update would be Adam's
-        # momentum and weight decay, asked for by no one
-        if self.client_mode or self._round_samples == 0:
+        # momentum and weight decay, asked for by no one. Nor, while `others` train, does a peer in the epoch it
+        # arrived in late (`arrived_in`): they began the epoch before it, and when its first round misses theirs
+        # their update is the swarm's; its own would be bytes they do not have, which it would then download whole
+        if self.client_mode or self._round_samples == 0 or (others and self.local_epoch == self.arrived_in):
             raise NoSwarmRound(reason)
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
@@ -187,7 +190,7 @@ class SwarmOptimizer(hivemind.Optimizer):
     def _load_round_gradients(self, maybe_step_control) -> None:
         """.grad for the update: the round's average, or this peer's exact gradient (or NoSwarmRound)."""
         if maybe_step_control is None:
-            self._no_round_alone("no other peer in the swarm's progress")
+            self._no_round_alone("no other peer in the swarm's progress", others=False)
             self._round_clean = True  # "no other peers": this peer's gradient is the whole update
             self._load_exact_local_gradients()
             self.grad_averager.notify_used_averaged_gradients()
@@ -293,7 +296,8 @@ class SwarmOptimizer(hivemind.Optimizer):
                 self._next_skip_log = time.monotonic() + SKIP_LOG_EVERY_S
                 logger.info(f"Gradient round failed ({e}): no update alone"
                             + (" (client mode); this peer's gradient waits for the swarm's next round"
-                               if self.client_mode else " (no samples of its own)")
+                               if self.client_mode else " (no samples of its own)" if self._round_samples == 0
+                               else " in the epoch it arrived in late; its gradient waits for the swarm's next round")
                             + f"; {self.skipped_rounds} such rounds so far")
             return
         self.last_round = RoundOutcome(epoch=self.local_epoch, group=self._round_group, clean=self._round_clean)

@@ -144,13 +144,17 @@ class SwarmFollower:
         """Low-comm: a node that arrives in an epoch the others have trained part of (after a download or a replay)
         is a late contributor. Its round is due about when theirs is, with the inner updates it made by then, instead
         of a whole round after its arrival, which the others would wait for once theirs are done: its inner updates
-        are counted from the others' samples in the epoch so far (its local batch each)."""
+        are counted from the others' samples in the epoch so far (its local batch each). If its round misses
+        theirs (they began it before they counted this node), it makes no update of its own in that epoch: it
+        replays theirs and carries its pseudo-gradient into the next round, where an update of its own would have
+        been bytes they do not have, and a download of the whole state after it."""
         node = self.node
         if node.rounds is None or node.unverified:
             return
         progress = node.swarm.optimizer.tracker.global_progress
         if progress.epoch != node.swarm.epoch or progress.samples_accumulated <= 0:
             return
+        node.swarm.optimizer.arrived_in = progress.epoch  # no update alone in it (SwarmOptimizer._no_round_alone)
         others = max(1, progress.num_peers - 1)
         done = int(progress.samples_accumulated / others / max(1, node.config.local_batch_size))
         late = min(node.rounds.inner_steps - 1, max(done, 0))
