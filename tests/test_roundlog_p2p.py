@@ -7,7 +7,7 @@ import pytest
 from hivemind.p2p import P2P
 
 from dtrain.node.lowcomm import roundlog
-from tests.test_roundlog import payload
+from tests.test_roundlog import entry
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(60)]
 
@@ -15,7 +15,9 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(60)]
 def test_a_peer_answers_with_its_log_over_libp2p_and_a_long_answer_is_cut_off():
     log = roundlog.RoundLog()
     for epoch in range(3, 9):
-        log.add(epoch, payload(epoch, count=300_000 if epoch == 8 else 30, total=400_000))
+        # round 8: four members' payloads of 300,000 elements, 1.4 MB (a record larger than one chunk)
+        log.add(epoch, entry(epoch, members=4 if epoch == 8 else 2, count=300_000 if epoch == 8 else 30,
+                             total=400_000))
 
     async def run():
         server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
