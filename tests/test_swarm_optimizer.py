@@ -95,16 +95,22 @@ def test_failed_gradient_round_applies_the_local_gradient(single_peer):
         assert torch.equal(p.grad, g)
 
 
+def _second_peer(opt_a, **config):
+    """A second peer of `opt_a`'s swarm, as the single peer's but joining it (`config`: SwarmConfig's other
+    values): its model, its Swarm (to shut down) and the list its exact gradient is read from."""
+    model = build_model(ModelConfig.load(TINY_CONFIG))
+    config = SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), initial_peers=tuple(opt_a.dht.get_visible_maddrs()),
+                         run_id=opt_a.run_id, target_batch_size=6, matchmaking_time_s=1.0, request_timeout_s=0.5,
+                         averaging_timeout_s=5.0, **config)
+    grads = []
+    return model, swarm.Swarm(config, make_local_optimizer(model, TRAIN), local_gradients=lambda: grads), grads
+
+
 def test_a_peer_behind_the_swarm_does_not_update_until_it_caught_up(single_peer):
     """hivemind lets a peer one epoch behind update anyway, joining the others' next gradient round with a gradient
     of parameters they have left; its gradient was then applied in their update and carried into a later one too."""
     model_a, _, opt_a, grads_a = single_peer
-    model_b = build_model(ModelConfig.load(TINY_CONFIG))
-    config = SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), initial_peers=tuple(opt_a.dht.get_visible_maddrs()),
-                         run_id=opt_a.run_id, target_batch_size=6, matchmaking_time_s=1.0, request_timeout_s=0.5,
-                         averaging_timeout_s=5.0)
-    grads_b = []
-    peer_b = swarm.Swarm(config, make_local_optimizer(model_b, TRAIN), local_gradients=lambda: grads_b)
+    model_b, peer_b, grads_b = _second_peer(opt_a)
     try:
         opt_b = peer_b.optimizer
         # as a node does when it joins: with no look at the swarm yet, hivemind's first step() would check for an
@@ -135,12 +141,7 @@ def test_a_client_mode_peer_whose_round_fails_makes_no_update(single_peer):
     would serve bytes for the next epoch that no other peer has, its packets applied on itself only. It makes no
     update: same epoch, same parameters, its gradient still to be averaged in a later round."""
     model_a, _, opt_a, _ = single_peer
-    model_c = build_model(ModelConfig.load(TINY_CONFIG))
-    config = SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), initial_peers=tuple(opt_a.dht.get_visible_maddrs()),
-                         run_id=opt_a.run_id, target_batch_size=6, matchmaking_time_s=1.0, request_timeout_s=0.5,
-                         averaging_timeout_s=5.0, reachability="client")
-    grads_c = []
-    peer_c = swarm.Swarm(config, make_local_optimizer(model_c, TRAIN), local_gradients=lambda: grads_c)
+    model_c, peer_c, grads_c = _second_peer(opt_a, reachability="client")
     try:
         opt_c = peer_c.optimizer
         assert peer_c.client_mode and opt_c.client_mode and peer_c.reachability.chosen_by == "flag"
@@ -167,12 +168,7 @@ def test_a_peer_whose_round_fails_in_the_epoch_it_arrived_in_late_makes_no_updat
     no update of its own there: theirs is the swarm's, and its own would be bytes they do not have (it would then
     download the whole state). In any other epoch its failed round is an update on its own gradient, as before."""
     model_a, _, opt_a, _ = single_peer
-    model_b = build_model(ModelConfig.load(TINY_CONFIG))
-    config = SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), initial_peers=tuple(opt_a.dht.get_visible_maddrs()),
-                         run_id=opt_a.run_id, target_batch_size=6, matchmaking_time_s=1.0, request_timeout_s=0.5,
-                         averaging_timeout_s=5.0)
-    grads_b = []
-    peer_b = swarm.Swarm(config, make_local_optimizer(model_b, TRAIN), local_gradients=lambda: grads_b)
+    model_b, peer_b, grads_b = _second_peer(opt_a)
     try:
         opt_b = peer_b.optimizer
         assert peer_b.wait_for_progress(timeout_s=10)
