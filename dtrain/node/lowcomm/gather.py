@@ -131,7 +131,7 @@ class RoundFiles:
     def offer(self) -> Optional[bytes]:
         fd = self._offer.fileno()
         size = os.fstat(fd).st_size
-        return _pread(fd, size, 0) if size else None
+        return record.pread_all(fd, size, 0) if size else None
 
     def write_record(self, members: Sequence[tuple[float, bytes]]) -> None:
         record.write(self._record.fileno(), members)
@@ -146,16 +146,6 @@ class RoundFiles:
                 raise OSError(f"the round's record ended at byte {done} of {size}")
             done += n
         return size
-
-
-def _pread(fd: int, size: int, at: int) -> bytes:
-    out = bytearray()
-    while len(out) < size:
-        piece = os.pread(fd, size - len(out), at + len(out))
-        if not piece:
-            break
-        out += piece
-    return bytes(out)
 
 
 class SparseGatherAverager(CommittingGradientAverager):

@@ -72,6 +72,17 @@ def encode(members: Sequence[tuple[float, bytes]]) -> bytes:
     return b"".join([COUNT.pack(len(members)), *(MEMBER.pack(w, len(p)) + p for w, p in members)])
 
 
+def pread_all(fd: int, size: int, at: int) -> bytes:
+    """`size` bytes at `at` of the file `fd` (a read may in principle come short); OSError if the file ends first."""
+    out = bytearray()
+    while len(out) < size:
+        piece = os.pread(fd, size - len(out), at + len(out))
+        if not piece:
+            raise OSError(f"the file ended at byte {at + len(out)}, {size - len(out)} bytes short")
+        out += piece
+    return bytes(out)
+
+
 def pwrite_all(fd: int, data: bytes, at: int) -> int:
     """`data` written whole at `at` in the file `fd`; returns where it ends."""
     view = memoryview(data)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import struct
 import tempfile
 import threading
@@ -88,13 +87,7 @@ class OnDisk:
         start, stop, step = key.indices(self._size)
         if step != 1:
             raise ValueError("only contiguous slices")
-        out = bytearray()
-        while start + len(out) < stop:  # a regular file reads whole, but a read may in principle come short
-            piece = os.pread(self._file.fileno(), stop - start - len(out), start + len(out))
-            if not piece:
-                raise OSError(f"the round log's file ended at byte {start + len(out)} of {self._size}")
-            out += piece
-        return bytes(out)
+        return record.pread_all(self._file.fileno(), max(0, stop - start), start)
 
     def __bytes__(self) -> bytes:
         return self[:]
