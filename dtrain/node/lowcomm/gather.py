@@ -14,15 +14,23 @@ the other client-mode members, whom nobody can dial. The commit step (node.swarm
 or nothing: a member says complete only if it holds every member's payload, checked (node.lowcomm.sparse.decode)
 before use.
 
+Members at different epochs: a member sends its epoch with its payload (the epoch of the anchor its
+pseudo-gradient is from). A node that read the swarm's progress just before the others' update can join their next
+round one epoch behind; its pseudo-gradient is from parameters they have left, and the update it would make is bytes
+nobody else has. So the round averages the payloads of the members at the group's epoch (the highest any member
+sent) and nothing else, on every member alike; a member behind it commits the round for the others, applies
+nothing (`AbortedRound.behind`), catches up and offers its pseudo-gradient again in the swarm's next round.
+
 The node and its averager's process share two unlinked files (`RoundFiles`, opened before the fork): the node
-writes there the payload it offers (the one it built, so the averager does not encode `.grad` again), and the
-averager writes there each round's record, every member's payload and weight (node.lowcomm.record), which the node
-keeps in its round log once it applies that round's average.
+writes there the payload it offers and its epoch (the payload is the one it built, so the averager does not encode
+`.grad` again), and the averager writes there each round's record, every averaged member's payload and weight
+(node.lowcomm.record), which the node keeps in its round log once it applies that round's average.
 """
 from __future__ import annotations
 
 import asyncio
 import os
+import struct
 import tempfile
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -37,12 +45,36 @@ from hivemind.utils.asyncio import as_aiter, enter_asynchronously
 from hivemind.utils.logging import get_logger
 
 from dtrain.node.lowcomm import record, sparse
-from dtrain.node.swarm.commit import CommittingGradientAverager, commit_window
+from dtrain.node.swarm.commit import AbortedRound, CommittingGradientAverager, commit_window
 
 logger = get_logger(__name__)
 
 CHUNK_BYTES = 1 << 20  # payload bytes per stream message
 REGISTER_WAIT_S = 5.0  # how long a member waits for a round it has not begun yet when a peer's payload arrives
+EPOCH = struct.Struct("<q")  # a member's epoch, before its payload on the wire and in the offer's file
+UNKNOWN_EPOCH = -1  # a member whose node handed no offer: it is taken to be at the group's epoch
+
+
+def framed(epoch: int, payload: bytes) -> bytes:
+    """A member's payload as it goes on the wire: its epoch, then the payload."""
+    return EPOCH.pack(epoch) + payload
+
+
+def unframed(data: bytes) -> tuple[int, bytes]:
+    """(epoch, payload) of a member's framed payload; ValueError if it is not one."""
+    if len(data) < EPOCH.size:
+        raise ValueError(f"{len(data)} bytes are no epoch and payload")
+    (epoch,) = EPOCH.unpack_from(data)
+    if epoch < UNKNOWN_EPOCH:
+        raise ValueError(f"epoch {epoch} is no epoch")
+    return epoch, data[EPOCH.size:]
+
+
+def at_group_epoch(epochs: Sequence[int]) -> tuple[int, list[bool]]:
+    """The group's epoch (the highest a member is at) and, per member, whether its payload is averaged: it is at
+    that epoch, or its epoch is unknown."""
+    group = max(epochs)
+    return group, [e in (group, UNKNOWN_EPOCH) for e in epochs]
 
 
 class Plan(NamedTuple):
@@ -113,8 +145,8 @@ class _TooLarge(Exception):
 
 class RoundFiles:
     """Two unlinked temporary files a node and its averager's process share (made before the fork; nothing is left
-    on disk whatever happens to either): `offer`, the payload the node offers in its next round (empty: none, the
-    averager encodes `.grad`), written by the node; `record`, the last round whose average the averager computed,
+    on disk whatever happens to either): `offer`, the epoch of the node and the payload it offers in its next round
+    (no payload: the averager encodes `.grad`; nothing: the epoch is unknown too), written by the node; `record`, the last round whose average the averager computed,
     written by the averager. Each is written whole before the other side reads it: the node writes its offer before
     its step, and reads a record after its round returned, before the next one begins."""
 
@@ -122,16 +154,23 @@ class RoundFiles:
         self._offer = tempfile.TemporaryFile(prefix="dtrain-offer-")
         self._record = tempfile.TemporaryFile(prefix="dtrain-record-")
 
-    def hand_offer(self, payload: Optional[bytes]) -> None:
+    def hand_offer(self, epoch: int, payload: Optional[bytes]) -> None:
+        """The node's next offer: the epoch its pseudo-gradient is from, and the payload (None: `.grad`'s)."""
         fd = self._offer.fileno()
         os.ftruncate(fd, 0)
-        if payload:
-            record.pwrite_all(fd, payload, 0)
+        record.pwrite_all(fd, framed(epoch, payload or b""), 0)
 
-    def offer(self) -> Optional[bytes]:
+    def offered(self) -> tuple[int, Optional[bytes]]:
+        """(epoch, payload) of the node's last offer: UNKNOWN_EPOCH before the first; None for no payload."""
         fd = self._offer.fileno()
         size = os.fstat(fd).st_size
-        return record.pread_all(fd, size, 0) if size else None
+        if size < EPOCH.size:
+            return UNKNOWN_EPOCH, None
+        epoch, payload = unframed(record.pread_all(fd, size, 0))
+        return epoch, payload or None
+
+    def offer(self) -> Optional[bytes]:
+        return self.offered()[1]
 
     def write_record(self, members: Sequence[tuple[float, bytes]]) -> None:
         record.write(self._record.fileno(), members)
@@ -166,9 +205,9 @@ class SparseGatherAverager(CommittingGradientAverager):
         return sum(sizes), sparse.max_kept(sizes, self.fraction)
 
     @cached_property
-    def _max_payload_bytes(self) -> int:
+    def _max_payload_bytes(self) -> int:  # framed: with its epoch
         total, limit = self._limits
-        return sparse.payload_bytes(limit, total, quantized=True)
+        return EPOCH.size + sparse.payload_bytes(limit, total, quantized=True)
 
     async def _exchange(self, group_info: GroupInfo, min_vector_size: int, weight: float = 1.0, **kwargs):
         # the round holds the averaged tensors (the node's .grad, node.swarm.commit) from its offer to its average,
@@ -191,7 +230,8 @@ class SparseGatherAverager(CommittingGradientAverager):
         if runner_slot is not None and not runner_slot.done():
             runner_slot.set_result(None)
         total, limit = self._limits
-        own = self.round_files.offer() or sparse.encode(tensors, quantized=True)
+        epoch, own = self.round_files.offered()
+        own = framed(epoch, own or sparse.encode(tensors, quantized=True))
         weight = float(weight)
 
         round_ = _Round(group_info.peer_ids, my_plan, weight, own)
@@ -216,19 +256,30 @@ class SparseGatherAverager(CommittingGradientAverager):
             asyncio.get_event_loop().call_later(2 * REGISTER_WAIT_S, self._rounds.pop, group_id, None)
 
         try:
-            decoded = (sparse.decode(round_.payloads[peer][1], total, limit, quantized=True)
-                       for peer in group_info.peer_ids)  # one member's at a time
+            epochs, payloads = zip(*(unframed(round_.payloads[peer][1]) for peer in group_info.peer_ids))
+        except ValueError as e:
+            return gathered, f"a payload was refused: {e}"
+        group_epoch, averaged = at_group_epoch(epochs)
+        members = [(peer, round_.payloads[peer][0], payload)
+                   for peer, payload, ok in zip(group_info.peer_ids, payloads, averaged) if ok]
+        if epoch not in (group_epoch, UNKNOWN_EPOCH):  # .grad stays this member's own offer: it applies nothing
+            behind = AbortedRound(f"this peer was at epoch {epoch}, the group at {group_epoch}: the others averaged "
+                                  f"{len(members)} payloads without its own", behind=True,
+                                  group_epoch=group_epoch)
+            return behind, None
+        try:
+            decoded = (sparse.decode(payload, total, limit, quantized=True) for _, _, payload in members)
             # straight into the round's tensors (the node's .grad): no flat copy of the model in this process. A
             # payload refused part-way leaves them half-written, in a round that is then aborted: nobody applies
             # them (the node writes its own gradient over them, node.swarm.optimizer)
-            sparse.average_into(decoded, [round_.payloads[peer][0] for peer in group_info.peer_ids], tensors)
+            sparse.average_into(decoded, [w for _, w, _ in members], tensors)
         except ValueError as e:
             return gathered, f"a payload was refused: {e}"
         try:  # the node logs it if it applies this round (node.lowcomm.roundlog.CatchUp)
-            self.round_files.write_record([round_.payloads[peer] for peer in group_info.peer_ids])
+            self.round_files.write_record([(w, payload) for _, w, payload in members])
         except (OSError, record.BadRecord) as e:  # the round goes on; the node finds no record of it to log
             logger.warning(f"Could not write the round's record: {e!r}")
-        return gathered, None
+        return {peer: gathered[peer] for peer, _, _ in members}, None
 
     async def _call(self, peer: PeerID, group_id: bytes, round_: _Round) -> Optional[str]:
         """Swap payloads with `peer`: this member's out, the ones `peer` answers with in; why not, if it failed."""

@@ -42,7 +42,8 @@ class RoundOutcome:
 
 
 class NoSwarmRound(Exception):
-    """A client-mode peer's gradient round did not complete: it makes no update (SwarmOptimizer)."""
+    """This peer makes no update in this round (SwarmOptimizer): its round did not complete and it may not update
+    alone, or the others committed it without this peer. The message is the log line."""
 
 
 class SwarmOptimizer(hivemind.Optimizer):
@@ -109,8 +110,15 @@ class SwarmOptimizer(hivemind.Optimizer):
         # momentum and weight decay, asked for by no one. Nor, while `others` train, does a peer in the epoch it
         # arrived in late (`arrived_in`): they began the epoch before it, and when its first round misses theirs
         # their update is the swarm's; its own would be bytes they do not have, which it would then download whole
-        if self.client_mode or self._round_samples == 0 or (others and self.local_epoch == self.arrived_in):
-            raise NoSwarmRound(reason)
+        if self.client_mode:
+            why = " alone (client mode); this peer's gradient waits for the swarm's next round"
+        elif self._round_samples == 0:
+            why = " alone (no samples of its own)"
+        elif others and self.local_epoch == self.arrived_in:
+            why = " alone in the epoch it arrived in late; its gradient waits for the swarm's next round"
+        else:
+            return
+        raise NoSwarmRound(f"Gradient round failed ({reason}): no update{why}")
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
         return PacedTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
@@ -211,6 +219,13 @@ class SwarmOptimizer(hivemind.Optimizer):
             # until it ends, and no later write of it may land on the gradient loaded below
             with self.grad_averager.lock_averaged_tensors:
                 pass
+        if isinstance(group_info, AbortedRound) and group_info.behind:
+            # the others' update is the swarm's next epoch, on parameters this peer does not have yet: it catches
+            # up (node.train.follow) and offers its gradient again in the swarm's next round
+            if isinstance(self.tracker, PacedTracker):
+                self.tracker.swarm_is_at(group_info.group_epoch + 1)
+            raise NoSwarmRound(f"The others committed the gradient round without this peer ({group_info.reason}): "
+                               f"no update; its gradient waits for the swarm's next round")
         if isinstance(group_info, AbortedRound):
             reason = group_info.reason + self._ran_out(group_info)
             self._no_round_alone(reason)
@@ -294,11 +309,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             self.skipped_rounds += 1
             if time.monotonic() >= self._next_skip_log:  # a client-mode peer left alone retries every poll
                 self._next_skip_log = time.monotonic() + SKIP_LOG_EVERY_S
-                logger.info(f"Gradient round failed ({e}): no update alone"
-                            + (" (client mode); this peer's gradient waits for the swarm's next round"
-                               if self.client_mode else " (no samples of its own)" if self._round_samples == 0
-                               else " in the epoch it arrived in late; its gradient waits for the swarm's next round")
-                            + f"; {self.skipped_rounds} such rounds so far")
+                logger.info(f"{e}; {self.skipped_rounds} such rounds so far")
             return
         self.last_round = RoundOutcome(epoch=self.local_epoch, group=self._round_group, clean=self._round_clean)
         if not self.client_mode:

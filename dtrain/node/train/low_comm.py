@@ -93,7 +93,7 @@ class LowCommLoop:
         # alone, the whole pseudo-gradient; with peers, what the codec sends of it
         rounds.write_offer([p.grad for p in node.model.parameters()], calls, compress=not alone)
         if node.catchup is not None:  # the sparse codec: its averager sends these bytes, and the record holds them
-            counted.round_files.hand_offer(rounds.payload())
+            counted.round_files.hand_offer(opt.local_epoch, rounds.payload())
         epoch_before, round_before = opt.local_epoch, opt.last_round
         if new_samples:
             node.presence.reported_samples()
