@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from dtrain.node.train import robust
+from dtrain.node.train import robust, robust_stats
 from dtrain.node.contribution import Contribution, Section, add_sections
 from dtrain.node.train.robust import Aggregate, NormTracker, RobustConfig, RobustConfigError
 
@@ -363,21 +363,21 @@ def test_all_finite_on_parameters_and_adam_moments():
 @settings(deadline=None, max_examples=30)
 @given(SEEDS, st.integers(1, 6), st.sampled_from(["mean", "trimmed_mean", "centered_clip"]))
 def test_the_sorted_union_and_the_mask_over_the_tensor_give_the_same_bits(seed, n, method):
-    """A tensor's touched elements are found by sorting the indices sent when they are few (`_coordinates`), by a
+    """A tensor's touched elements are found by sorting the indices sent when they are few (`robust_stats._coordinates`), by a
     mask over the tensor otherwise: one hand-over aggregated both ways must come out the same, bit for bit."""
     rng = np.random.default_rng(seed)
     _, grads = honest_gradients(rng, n)
     contributions = [to_contribution(f"h{i}", g, samples=int(rng.integers(4, 7)), sparse_fraction=0.3,
                                      mode="repeats" if i % 2 else "unique") for i, g in enumerate(grads)]
     config = RobustConfig(method=method)
-    saved = robust.SPARSE_UNION_FRACTION
+    saved = robust_stats.SPARSE_UNION_FRACTION
     try:
-        robust.SPARSE_UNION_FRACTION = 0  # every tensor: sorted
+        robust_stats.SPARSE_UNION_FRACTION = 0  # every tensor: sorted
         sorted_union = robust.aggregate(contributions, ELEMENTS, config)
-        robust.SPARSE_UNION_FRACTION = 10**12  # every tensor: the mask
+        robust_stats.SPARSE_UNION_FRACTION = 10**12  # every tensor: the mask
         mask = robust.aggregate(contributions, ELEMENTS, config)
     finally:
-        robust.SPARSE_UNION_FRACTION = saved
+        robust_stats.SPARSE_UNION_FRACTION = saved
     for a, b in zip(sorted_union.sums, mask.sums):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
     assert sorted_union.samples == mask.samples and sorted_union.loss_sum == mask.loss_sum

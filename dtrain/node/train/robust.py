@@ -21,7 +21,9 @@ the mean the swarm averages. Three defences, each a no-op for honest contributio
    (coordinate-wise, over contributions) is the alternative; it changes honest results too.
 
 Sparse packets stay sparse: every tensor is worked on over the union of the coordinates its contributions
-touch (absent coordinates are zeros, as they are in the sum), as an `(n, union)` float32 matrix.
+touch (absent coordinates are zeros, as they are in the sum), as an `(n, union)` float32 matrix. Those matrices and
+the statistics over their rows (norms, cosines, near-copies, CenteredClip, the trimmed mean) are robust_stats.py;
+this module is the policy: which defences apply, with what bounds, and the norm history they are taken against.
 
 What this bounds and what not: one packet's weight and norm, and the pull of a minority of contributions in
 one hand-over towards any point (CenteredClip moves the result by at most about `fraction x tau`); with the
@@ -32,7 +34,6 @@ inside the all-reduce, which never passes through this code.
 """
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -42,12 +43,13 @@ import numpy as np
 from hivemind.utils.logging import get_logger
 
 from dtrain.node.contribution import Contribution
+from dtrain.node.train.robust_stats import (canonical, centered_clip, cosines, duplicates, keep_rows, row_norms,
+                                            trimmed_mean, union_matrices)
 
 logger = get_logger(__name__)
 
 METHODS = ("centered_clip", "trimmed_mean", "mean")
 MIN_FOR_MEDIAN = 3  # contributions a hand-over needs before its own median says anything about honest norms
-SPARSE_UNION_FRACTION = 8  # _coordinates sorts the indices sent when they are under 1/8 of the tensor
 
 
 class RobustConfigError(ValueError):
@@ -195,84 +197,6 @@ class Aggregate:
 # the pure function
 
 
-def _digest(c: Contribution) -> bytes:
-    h = hashlib.blake2b(digest_size=16)
-    for s in c.sections:
-        h.update(np.int64(s.tensor_id).tobytes())
-        if s.indices is not None:
-            h.update(np.ascontiguousarray(s.indices).tobytes())
-        h.update(np.ascontiguousarray(s.values).tobytes())
-    return h.digest()
-
-
-def _canonical(contributions: Sequence[Contribution]) -> list[Contribution]:
-    """A fixed order, so that float sums, and so the result, do not depend on arrival order."""
-    key = lambda c: (c.contributor, c.step, c.samples, c.loss)  # noqa: E731
-    cheap = [key(c) for c in contributions]
-    if len(set(cheap)) == len(cheap):
-        return sorted(contributions, key=key)
-    return sorted(contributions, key=lambda c: (*key(c), _digest(c)))  # ties: by content
-
-
-def _union_matrices(contributions: Sequence[Contribution], tensor_elements: Sequence[int]
-                    ) -> list[tuple[Optional[np.ndarray], np.ndarray]]:
-    """Per tensor touched by anyone: (coordinates or None for all, float32 [n, len(coordinates)])."""
-    n = len(contributions)
-    by_tensor: dict[int, list] = {}
-    for row, c in enumerate(contributions):
-        for s in c.sections:
-            by_tensor.setdefault(int(s.tensor_id), []).append((row, s))
-    out = []
-    for tid in sorted(by_tensor):
-        parts = by_tensor[tid]
-        elements = int(tensor_elements[tid])
-        if any(s.indices is None for _, s in parts):
-            coords, positions = None, [s.indices for _, s in parts]
-        else:
-            coords, positions = _coordinates([s for _, s in parts], elements)
-        x = np.zeros((n, elements if coords is None else coords.size), np.float32)
-        for (row, s), pos in zip(parts, positions):
-            if s.indices is None:
-                x[row] += s.values
-                continue
-            if s.unique:
-                x[row, pos] += s.values
-            else:
-                np.add.at(x[row], pos, s.values)  # Mode 1 repeats add up
-        out.append((tid, coords, x))
-    return out
-
-
-def _coordinates(sections: Sequence, elements: int) -> tuple[np.ndarray, list[np.ndarray]]:
-    """The elements of a tensor that sparse `sections` touch (sorted, unique), and where each section's indices lie
-    among them. Sparse enough (the indices sent, all sections together, under 1/SPARSE_UNION_FRACTION of the
-    tensor): sorted, in O(k log k) of the k indices. Else a mask over the tensor and its running count, O(elements):
-    not np.unique, whose hash-based version in numpy 2.3 took 9 s for ten 1% packets of the default model, the mask
-    0.1 s. The mask alone made one 4 MB Mode 2 packet of GPT-2 small cost 0.6 s to aggregate (a mask and a cumsum
-    over all 124M elements, for 1.3M entries)."""
-    indices = [s.indices for s in sections]
-    if sum(i.size for i in indices) * SPARSE_UNION_FRACTION < elements:
-        if len(sections) == 1 and sections[0].unique:  # DGRD Mode 2: strictly increasing already
-            return indices[0], [np.arange(indices[0].size)]
-        merged = np.sort(np.concatenate(indices))
-        coords = merged[np.concatenate(([True], merged[1:] != merged[:-1]))]
-        return coords, [np.searchsorted(coords, i) for i in indices]
-    mask = np.zeros(elements, bool)
-    for i in indices:
-        mask[i] = True
-    where = np.cumsum(mask, dtype=np.int64 if elements >= 2**31 else np.int32)  # 1 + position in coords
-    return np.flatnonzero(mask), [where[i] - 1 for i in indices]
-
-
-def _row_norms(mats, center=None) -> np.ndarray:
-    """L2 norm of every row over all tensors (float64: 3e38-sized entries must not overflow)."""
-    sq = np.zeros(mats[0][2].shape[0] if mats else 0, np.float64)
-    for i, (_, _, x) in enumerate(mats):
-        d = x if center is None else x - center[i]
-        sq += np.einsum("ij,ij->i", d, d, dtype=np.float64)
-    return np.sqrt(sq)
-
-
 def _weights(samples: np.ndarray, config: RobustConfig, samples_bound: Optional[int],
              ramps: Optional[np.ndarray] = None) -> np.ndarray:
     """Each claimed `samples` bounded: by `max_samples`, and by `max_weight_multiple` x the median samples (of recent
@@ -295,81 +219,6 @@ def _weights(samples: np.ndarray, config: RobustConfig, samples_bound: Optional[
     return np.where(np.isfinite(caps), np.minimum(samples, caps), samples).astype(np.int64)
 
 
-def _duplicates(mats, norms: np.ndarray, w: np.ndarray, threshold: float) -> np.ndarray:
-    """Rows that are near-copies (cosine above `threshold`) of a counted row. Of each group the smallest (by L2 norm
-    as sent, then canonical order) counts: a copy of someone else's packet, scaled, never displaces it."""
-    n = norms.size
-    gram = np.zeros((n, n), np.float64)
-    for _, _, x in mats:
-        x64 = x.astype(np.float64)
-        gram += x64 @ x64.T
-    scale = np.sqrt(np.maximum(np.diag(gram), 0.0))  # norms of the rows as they are now (clipped)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        cos = gram / np.outer(scale, scale)
-    dup = np.zeros(n, bool)
-    for i in sorted(range(n), key=lambda r: (norms[r], r)):
-        if dup[i] or w[i] <= 0 or not scale[i] > 0:
-            continue
-        near = (cos[i] > threshold) & (w > 0)
-        near[i] = False
-        dup |= near
-    return dup
-
-
-def _centered_clip(mats, w: np.ndarray, config: RobustConfig) -> tuple[list[np.ndarray], np.ndarray, bool]:
-    """Per tensor the weighted CenteredClip centre; the last c_i; whether it is exactly the plain mean."""
-    total = float(w.sum())
-    w32 = w.astype(np.float32)
-    center = [np.dot(w32, x) / np.float32(total) for _, _, x in mats]
-    dist = _row_norms(mats, center)
-    tau = config.tau_multiple * float(np.median(dist))
-    c = np.ones(len(w))
-    for it in range(config.iterations):
-        if it:
-            dist = _row_norms(mats, center)
-        with np.errstate(divide="ignore"):
-            c = np.where(dist > tau, tau / np.maximum(dist, 1e-300), 1.0)
-        if (c >= 1.0).all():
-            return center, c, it == 0  # at the mean's fixed point: the centre is the weighted mean
-        wc = (w * c).astype(np.float32)
-        step_sq = 0.0
-        for i, (_, _, x) in enumerate(mats):
-            step = (np.dot(wc, x) - np.float32(wc.sum()) * center[i]) / np.float32(total)
-            center[i] = center[i] + step
-            step_sq += float(np.dot(step.astype(np.float64), step))
-        if np.sqrt(step_sq) <= 1e-6 * max(tau, 1e-30):
-            break
-    return center, c, False
-
-
-def _trimmed_mean(x: np.ndarray, w: np.ndarray, fraction: float) -> np.ndarray:
-    """Coordinate-wise: drop floor(fraction * n) values at each end, weighted mean of the rest."""
-    n = x.shape[0]
-    k = int(np.floor(fraction * n))
-    if k == 0:
-        return np.dot(w.astype(np.float32), x) / np.float32(w.sum())
-    order = np.argsort(x, axis=0, kind="stable")[k:n - k]  # (n - 2k, U)
-    kept = np.take_along_axis(x, order, axis=0)
-    kw = w.astype(np.float32)[order]
-    return (kw * kept).sum(axis=0) / kw.sum(axis=0)
-
-
-def _cosines(mats, norms: np.ndarray, reference: Sequence[np.ndarray]) -> np.ndarray:
-    """Cosine of every row with `reference` (flat per tensor; zero outside the union, as the rows are); nan when
-    either is zero."""
-    ref_norm = np.sqrt(sum(float(np.dot(r.astype(np.float64), r)) for r in reference))
-    dots = np.zeros(norms.size, np.float64)
-    for tid, coords, x in mats:
-        r = reference[tid] if coords is None else reference[tid][coords]
-        dots += x.astype(np.float64) @ r.astype(np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where((norms > 0) & (ref_norm > 0), dots / (norms * ref_norm), np.nan)
-
-
-def _keep_rows(mats, keep: np.ndarray):
-    return [(tid, coords, x[keep]) for tid, coords, x in mats]
-
-
 def aggregate(contributions: Sequence[Contribution], tensor_elements: Sequence[int],
               config: RobustConfig = RobustConfig(), norm_bound: Optional[float] = None,
               samples_bound: Optional[int] = None, reference: Optional[Sequence[np.ndarray]] = None,
@@ -388,7 +237,7 @@ def aggregate(contributions: Sequence[Contribution], tensor_elements: Sequence[i
     elements = tuple(int(e) for e in tensor_elements)
     if not contributions:
         return Aggregate((), elements, 0, 0.0, norm_bound, config.method, ())
-    contribs = _canonical(contributions)
+    contribs = canonical(contributions)
     n = len(contribs)
     claimed = np.array([c.samples for c in contribs], np.int64)
     is_own = np.array([c.own for c in contribs], bool)  # the node's own: judged by nothing but the bounds
@@ -399,12 +248,12 @@ def aggregate(contributions: Sequence[Contribution], tensor_elements: Sequence[i
     losses = np.array([c.loss for c in contribs], np.float64)
     clamped = np.clip(losses, 0.0, config.max_loss)
 
-    mats = _union_matrices(contribs, tensor_elements)
-    norms = _row_norms(mats) if mats else np.zeros(n)
+    mats = union_matrices(contribs, tensor_elements)
+    norms = row_norms(mats) if mats else np.zeros(n)
     cosine = np.full(n, np.nan)
     checked = config.min_cosine is not None and reference is not None and bool(mats)
     if checked:
-        cosine = np.where(is_own, np.nan, _cosines(mats, norms, reference))  # before clipping: the packets as sent
+        cosine = np.where(is_own, np.nan, cosines(mats, norms, reference))  # before clipping: the packets as sent
     bound = norm_bound
     if config.clip_multiple > 0 and n >= MIN_FOR_MEDIAN:
         own = config.clip_multiple * float(np.median(norms))
@@ -426,26 +275,26 @@ def aggregate(contributions: Sequence[Contribution], tensor_elements: Sequence[i
         w = np.where(cosine <= config.min_cosine if trusted else cosine < config.min_cosine, 0, w)  # nan never drops
     duplicate = np.zeros(n, bool)
     if config.duplicate_cosine is not None and n >= 2 and mats:
-        duplicate = _duplicates(mats, norms, w, config.duplicate_cosine) & ~is_own
+        duplicate = duplicates(mats, norms, w, config.duplicate_cosine) & ~is_own
         w = np.where(duplicate, 0, w)
     keep = w > 0
     center_factor = np.ones(n)
     total = int(w.sum())
     parts = []
     if keep.any():
-        kept, wk = (mats, w) if keep.all() else (_keep_rows(mats, keep), w[keep])
+        kept, wk = (mats, w) if keep.all() else (keep_rows(mats, keep), w[keep])
         w32 = wk.astype(np.float32)
         if config.method == "mean" or wk.size == 1:
             results = [np.dot(w32, x) for _, _, x in kept]  # already sum(w_i g_i)
         elif config.method == "centered_clip":
-            center, factors, exact = _centered_clip(kept, wk, config)
+            center, factors, exact = centered_clip(kept, wk, config.tau_multiple, config.iterations)
             center_factor[keep] = factors
             if exact:
                 results = [np.dot(w32, x) for _, _, x in kept]
             else:
                 results = [np.float32(total) * v for v in center]
         else:
-            results = [np.float32(total) * _trimmed_mean(x, wk, config.trim_fraction) for _, _, x in kept]
+            results = [np.float32(total) * trimmed_mean(x, wk, config.trim_fraction) for _, _, x in kept]
         parts = [(tid, coords, r) for (tid, coords, _), r in zip(kept, results)]
 
     reports = tuple(
