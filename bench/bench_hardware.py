@@ -38,18 +38,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import re
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,24 +64,14 @@ from dtrain.node.data import TokenDataset  # noqa: E402
 from dtrain.node.device import Device, resolve  # noqa: E402
 from dtrain.node.model import build_model  # noqa: E402
 from dtrain.node.train.adamw import decay_groups  # noqa: E402
-from bench_memory import gpu_bytes_by_pid, held_bytes, tree  # noqa: E402  (bench/ is this script's folder)
-from tests.nodeproc import free_port, kill_node  # noqa: E402
+from bench.bench_memory import gpu_bytes_by_pid, held_bytes, tree  # noqa: E402
+from bench.proc_cpu import busiest_thread_seconds, cpu_seconds, machine_cpu_seconds  # noqa: E402
 from dtrain.node.tokenizer import load_tokenizer  # noqa: E402
+from bench.hardware_nodes import Node, NodeFailed, say, wait_for  # noqa: E402  (last: say's clock starts here)
 
-JOIN_HINT = "Join it from another machine with"
-MADDR_RE = re.compile(r"^\s+(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\S+)\s*$")
 UPDATE_RE = re.compile(r"update (\d+): (\d+) samples.*?; \d+ packets, (\d+) peers(?:, \d+ inner updates)?, took ([\d.]+)s")
 PLAIN_WARMUP_STEPS = 3
 GIB = 1 << 30
-T_START = time.monotonic()
-
-
-def say(msg: str) -> None:
-    print(f"[{time.monotonic() - T_START:6.0f}s] {msg}", file=sys.stderr, flush=True)
-
-
-class NodeFailed(RuntimeError):
-    pass
 
 
 # ---- the plain loop ----------------------------------------------------------------------------------------------
@@ -140,38 +126,6 @@ def plain_loop(config: ModelConfig, device: Device, data: TokenDataset, batch: i
 
 # ---- real nodes --------------------------------------------------------------------------------------------------
 
-def cpu_seconds(pids) -> float:
-    """User + system CPU time of these processes, every thread (/proc/PID/stat); gone ones count 0."""
-    return sum(cpu_seconds_of(f"/proc/{pid}/stat") for pid in pids)
-
-
-def cpu_seconds_of(stat_path: str) -> float:
-    """User + system CPU time in a /proc stat file (a process's, or a thread's under task/); 0 when gone."""
-    try:
-        with open(stat_path) as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-def busiest_thread_seconds(pid: int, before: Optional[dict] = None) -> tuple[float, dict]:
-    """(CPU seconds since `before` of the thread of `pid` that used the most, every thread's CPU seconds now): of a
-    node, its training thread."""
-    try:
-        now = {tid: cpu_seconds_of(f"/proc/{pid}/task/{tid}/stat") for tid in os.listdir(f"/proc/{pid}/task")}
-    except OSError:
-        now = {}
-    return max((now[t] - (before or {}).get(t, 0.0) for t in now), default=0.0), now
-
-
-def machine_cpu_seconds() -> float:
-    """CPU seconds every core of this machine spent busy since boot (/proc/stat: all but idle and iowait)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-
-
 def wait_quiet(nodes: list, max_wait_s: float, busy_cores: float = 0.3, sample_s: float = 3.0) -> None:
     """Wait (at most max_wait_s) until the processes other than this one and the nodes' trees use under
     `busy_cores` of the machine over `sample_s`: a window is not opened while other work runs, if it can be helped."""
@@ -192,112 +146,6 @@ def wait_quiet(nodes: list, max_wait_s: float, busy_cores: float = 0.3, sample_s
             say(f"  other processes still use {others:.2f} cores after {max_wait_s:.0f}s of waiting: timing anyway")
             return
         say(f"  other processes use {others:.2f} cores: waiting for the machine to be quiet")
-
-
-class Node:
-    """One `python -m dtrain.cli` process of this tree; its output is kept, with the time each line came."""
-
-    def __init__(self, name: str, args: list[str], run_id: str, workdir: Path, initial_peers: tuple = ()):
-        self.name, self.port = name, free_port()
-        argv = [sys.executable, "-m", "dtrain.cli", "--host", "127.0.0.1", "--port", str(self.port),
-                "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-id", run_id, *args]
-        if initial_peers:
-            argv += ["--initial-peers", *initial_peers]
-        self.argv = argv
-        path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-        self.log_path = workdir / f"{run_id}-{name}.log"
-        self.lines: list[tuple[float, str]] = []
-        self._lock = threading.Lock()
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(argv, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"})
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        with open(self.log_path, "w") as log:
-            for line in self.proc.stdout:
-                log.write(line)
-                log.flush()
-                with self._lock:
-                    self.lines.append((time.monotonic(), line.rstrip("\n")))
-
-    def output(self, since: float = 0.0, until: float = float("inf")) -> list[str]:
-        with self._lock:
-            return [line for t, line in self.lines if since <= t <= until]
-
-    def tail(self, n: int = 30) -> str:
-        return "\n".join(self.output()[-n:])
-
-    def alive(self) -> None:
-        if self.proc.poll() is not None:
-            time.sleep(0.5)  # the reader takes its last lines
-            raise NodeFailed(f"node {self.name} exited with {self.proc.returncode}")
-
-    def status(self, timeout_s: float = 10.0) -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/api/v1/swarm/status", timeout=timeout_s) as r:
-            return json.loads(r.read())
-
-    def trained(self) -> tuple[int, float, dict]:
-        """(applied + pending samples, when, the status): the smaller of two reads 0.1 s apart. The bridge reads the
-        training thread's counters without a lock, and an update moves its samples from pending to applied in two
-        statements: a read between them counts them twice, and the next read is then smaller."""
-        reads = []
-        for _ in range(2):
-            s = self.status()
-            reads.append((s["applied_samples"] + s["pending_samples"], time.monotonic(), s))
-            time.sleep(0.1)
-        return min(reads, key=lambda r: r[0])
-
-    def wait_ready(self, timeout_s: float) -> list[str]:
-        deadline = time.monotonic() + timeout_s
-        while not any(JOIN_HINT in line for line in self.output()):
-            self.alive()
-            if time.monotonic() > deadline:
-                raise NodeFailed(f"node {self.name} printed no join hint in {timeout_s:.0f}s")
-            time.sleep(0.2)
-        while True:  # the bridge listens right after the hint
-            try:
-                self.status()
-                break
-            except OSError:
-                self.alive()
-                if time.monotonic() > deadline:
-                    raise NodeFailed(f"node {self.name}'s status did not answer in {timeout_s:.0f}s")
-                time.sleep(0.2)
-        return [m.group(1) for line in self.output() if (m := MADDR_RE.match(line))]
-
-    def terminate(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM, then (if it hangs) SIGKILL for it and its children, except torch's shm manager, which unlinks
-        the node's shared memory once its clients are gone and exits by itself."""
-        self.terminate()
-        try:
-            self.proc.wait(max(timeout_s, 0.1))
-            return
-        except subprocess.TimeoutExpired:
-            say(f"node {self.name} ignored SIGTERM: killing it and its children")
-        kill_node(self.proc, list(reversed(tree(self.proc.pid)[1:])), wait_s=10)
-
-
-def wait_for(what: str, predicate, nodes: list[Node], timeout_s: float, interval_s: float = 1.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        for node in nodes:
-            node.alive()
-        try:
-            value = predicate()
-        except OSError as e:  # a status read that timed out on a busy machine: asked again
-            say(f"  (status read failed: {e}; trying again)")
-            value = None
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise NodeFailed(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(interval_s)
 
 
 def window(nodes: list[Node], window_s: float, quiet_wait_s: float) -> list[dict]:
