@@ -45,10 +45,8 @@ import argparse
 import hashlib
 import math
 import re
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -66,12 +64,13 @@ from bench.bench_memory import GIB, MemoryWatch  # noqa: E402
 from tests.netns import Net, unavailable_reason  # noqa: E402
 from tests.nodeproc import TINY_CONFIG, NodeProcess, new_run_id, wait_until  # noqa: E402
 from tests.swarmcheck import ByteWatch, tensor_f32  # noqa: E402
+from bench.wan_churn import churn, print_churn  # noqa: E402
+from bench.wan_nodes import NODE_TIMEOUTS, check_alive, status, stop_nodes  # noqa: E402
 
 TEXT = Path("/work/shared/data/tinyshakespeare.txt")
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "dtrain" / "static" / "model_config.json"
 HELD_OUT = 0.1  # the text's tail kept out of training
 EVAL_BATCHES, EVAL_BATCH, EVAL_SEQ = 8, 8, 64
-NODE_TIMEOUTS = ["--matchmaking-time", "5", "--request-timeout", "3", "--averaging-timeout", "30"]  # the defaults
 
 
 def shards(text: str, peers: int, folder: Path) -> tuple[list[Path], str]:
@@ -123,34 +122,6 @@ def gave_up(nodes: list[NodeProcess]) -> int:
     return sum(len(GAVE_UP.findall(node.output())) for node in nodes)
 
 
-class NodeDied(RuntimeError):
-    """A node of the run exited."""
-
-
-def killed_by_oom(pid: int) -> str:
-    """The kernel's line if its OOM killer ended `pid`, else ""."""
-    try:
-        log = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return next((line.strip() for line in log.splitlines() if f"Killed process {pid} " in line), "")
-
-
-def check_alive(nodes: list[NodeProcess], settle_s: float = 3.0) -> None:
-    """NodeDied, with the node's exit status and log tail, if one of `nodes` has exited (or exits within
-    `settle_s`: a refused connection can come before the process is reaped)."""
-    deadline = time.monotonic() + settle_s
-    while True:
-        for node in nodes:
-            if node.proc.poll() is not None:
-                oom = killed_by_oom(node.proc.pid)
-                raise NodeDied(f"{node.name} exited with {node.proc.returncode}" + (f" ({oom})" if oom else "")
-                               + f"; its log ends:\n{node.output()[-6000:]}")
-        if time.monotonic() >= deadline:
-            return
-        time.sleep(0.5)
-
-
 def polled(nodes: list[NodeProcess], fn, memory: "MemoryWatch"):
     """fn(), where fn asks the nodes over HTTP: a request that fails because the memory watch stopped the nodes
     raises MemoryError, because a node died NodeDied."""
@@ -160,13 +131,6 @@ def polled(nodes: list[NodeProcess], fn, memory: "MemoryWatch"):
         memory.check()
         check_alive(nodes)
         raise
-
-
-STATUS_TIMEOUT_S = 60.0  # a node in its outer step on a loaded machine answered later than 5 s (GPT-2 small)
-
-
-def status(node: NodeProcess) -> dict:
-    return node.get_json("/api/v1/swarm/status", timeout_s=STATUS_TIMEOUT_S)
 
 
 def tensor_sha256(node: NodeProcess, tensor_id: int) -> tuple[int, str]:
@@ -282,194 +246,6 @@ def run(mode: str, rate, args, paths: list[Path], held_tokens: np.ndarray) -> di
             raise
         finally:
             stop_nodes(nodes, args.keep_logs)
-
-
-def stop_nodes(nodes, keep_logs: bool) -> None:
-    """Every node of a run killed; with --keep-logs, where each one's log is."""
-    for node in nodes:
-        node.kill()
-    if keep_logs:
-        for node in nodes:
-            print(f"--- {node.name}: {node.log_path}")
-
-
-# ---- churn: nodes join one after another as the swarm trains, one leaves and comes back --------------------------
-
-STAMP = re.compile(r"^(\w{3} +\d+ \d\d:\d\d:\d\d\.\d{3}) ")
-HIVEMIND_DOWNLOAD = re.compile(r"Downloaded the state from \S+ in ([\d.]+)s")
-RANGES_DOWNLOAD = re.compile(r"Downloaded the state of epoch \d+ in ranges from \d+ donors in ([\d.]+)s")
-REPLAY = re.compile(r"Caught up from epoch \d+ to \d+ by replaying \d+ rounds from \S+: [\d.]+ MB in ([\d.]+)s")
-FIRST_ROUND = re.compile(r"Averaged gradients with ([2-9]|\d\d+) peers")
-UPDATE_LINE = re.compile(r"\] update \d+: ")
-# the flags of the churn runs, as a new user starts a node (the model and every other flag at their defaults)
-CHURN_FLAGS = ["--local-batch-size", "4", "--local-seq-len", "64", "--local-samples-per-update", "16",
-               "--target-batch-size", "48", *NODE_TIMEOUTS]
-
-
-def stamp_of(line: str) -> Optional[float]:
-    """A log line's time (the nodes log local time without a year), as time.time() counts it."""
-    m = STAMP.match(line)
-    if m is None:
-        return None
-    year = time.localtime().tm_year
-    return time.mktime(time.strptime(f"{year} {m.group(1).split('.')[0]}", "%Y %b %d %H:%M:%S")) + \
-        float("0." + m.group(1).split(".")[1])
-
-
-def lines_between(output: str, pattern: re.Pattern, start: float, end: float) -> list[re.Match]:
-    found = []
-    for line in output.splitlines():
-        if (m := pattern.search(line)) and (t := stamp_of(line)) is not None and start <= t <= end:
-            found.append(m)
-    return found
-
-
-def first_stamp(output: str, pattern: re.Pattern, after: float = 0.0) -> Optional[float]:
-    for line in output.splitlines():
-        if pattern.search(line) and (t := stamp_of(line)) is not None and t >= after:
-            return t
-    return None
-
-
-class RxWatch:
-    """Bytes each host received, sampled every second: (time, rx_bytes) per host."""
-
-    def __init__(self, hosts):
-        self.hosts, self.samples = hosts, {h.ns: [] for h in hosts}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(1.0):
-            for h in self.hosts:
-                try:
-                    rx = int(h.run(["cat", "/sys/class/net/eth0/statistics/rx_bytes"]).stdout.strip())
-                except (subprocess.SubprocessError, ValueError, OSError):
-                    continue
-                self.samples[h.ns].append((time.time(), rx))
-
-    def between(self, host, start: float, end: float) -> int:
-        inside = [rx for t, rx in self.samples[host.ns] if start <= t <= end]
-        return inside[-1] - inside[0] if len(inside) >= 2 else 0
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(10)
-
-
-def churn(rate, args, paths: list[Path]) -> dict:
-    """One churn run at `rate` Mbit/s per link (None: unlimited): A founds the swarm and trains alone; B joins once A
-    is ready, C once B is; once C has averaged a round, C is killed and started again --rejoin-after s later with the
-    same --identity-path. The window runs from A's first update to --seconds after it."""
-    run_id, nodes, joins = new_run_id(), [], []
-    flags = ["--model-config", str(args.model_config), *CHURN_FLAGS]
-    with Net() as net, tempfile.TemporaryDirectory() as folder:
-        hosts = [net.host(f"n{i}", rate_mbit=rate) for i in range(3)]
-        identity = [str(Path(folder) / f"node{i}.identity") for i in range(3)]
-        applied: dict[str, int] = {}  # a node process's name -> its last applied_samples seen
-
-        def start(i: int, name: str) -> NodeProcess:
-            peers = [m for m in status(nodes[0])["maddrs"] if m.startswith(f"/ip4/{hosts[0].ip}/")] if nodes else ()
-            node = NodeProcess(name, [*flags, "--train-data", str(paths[i]), "--identity-path", identity[i]], run_id,
-                               initial_peers=peers, netns=hosts[i], host_maddrs=f"/ip4/{hosts[i].ip}/tcp/0",
-                               cold=True)
-            node.started, node.host = time.time(), hosts[i]
-            nodes.append(node)
-            return node
-
-        def poll() -> None:
-            for node in nodes:
-                if node.proc.poll() is None:
-                    try:
-                        applied[node.name] = max(applied.get(node.name, 0), int(status(node)["applied_samples"]))
-                    except (OSError, ValueError, KeyError):
-                        pass
-
-        def joined(node: NodeProcess, timeout_s: float) -> None:
-            """Until the node averaged a round with the others (its first), polling everyone meanwhile."""
-            deadline = time.monotonic() + timeout_s
-            while first_stamp(node.output(), FIRST_ROUND, node.started) is None:
-                check_alive([n for n in nodes if n.name != "C" or n is node])
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{node.name} averaged no round within {timeout_s:.0f}s")
-                poll()
-                time.sleep(2.0)
-
-        try:
-            a = start(0, "A")
-            a.wait_ready(600)
-            wait_until(lambda: status(a)["updates"] >= 1, 300, "A's first update", 1.0)
-            poll()
-            window_start, base = time.time(), sum(applied.values())
-            with RxWatch(hosts) as rx:
-                b = start(1, "B")
-                joins.append(b)
-                b.wait_ready(args.join_timeout)
-                c = start(2, "C")
-                joins.append(c)
-                joined(b, args.join_timeout)
-                joined(c, args.join_timeout)
-                time.sleep(args.kill_after)
-                c.kill()
-                left = time.time()
-                while time.time() < left + args.rejoin_after:
-                    poll()
-                    time.sleep(2.0)
-                c2 = start(2, "C2")
-                joins.append(c2)
-                joined(c2, args.join_timeout)
-                while time.time() < window_start + args.seconds:
-                    poll()
-                    time.sleep(2.0)
-                poll()
-                elapsed = time.time() - window_start
-                samples = sum(applied.values()) - base
-                a_out = a.output()
-                rows = []
-                for node in joins:
-                    out = node.output()
-                    first = first_stamp(out, FIRST_ROUND, node.started)
-                    end = first if first is not None else time.time()
-                    downloads = [float(m.group(1)) for m in lines_between(out, HIVEMIND_DOWNLOAD, node.started, end)]
-                    downloads += [float(m.group(1)) for m in lines_between(out, RANGES_DOWNLOAD, node.started, end)]
-                    replays = [float(m.group(1)) for m in lines_between(out, REPLAY, node.started, end)]
-                    ready = first_stamp(out, re.compile(r"Node ready at step"), node.started) or end
-                    rows.append(dict(node=node.name, join_s=end - node.started, downloads=len(downloads),
-                                     download_s=sum(downloads), replay_s=sum(replays), ready_s=ready - node.started,
-                                     first_round_s=end - ready,
-                                     state_mb=rx.between(node.host, node.started, end) / 1e6,
-                                     founder_updates=len(lines_between(a_out, UPDATE_LINE, node.started, end))))
-            a_gave_up = len(lines_between(a_out, re.compile(r"could not find a group"), window_start, time.time()))
-            return dict(rate="unlimited" if rate is None else f"{rate:g}", samples_per_s=samples / elapsed,
-                        samples=samples, seconds=elapsed, joins=rows, a_gave_up=a_gave_up,
-                        a_updates=len(lines_between(a_out, UPDATE_LINE, window_start, time.time())))
-        finally:
-            stop_nodes(nodes, args.keep_logs)
-
-
-def print_churn(results: list[dict], args) -> None:
-    print(f"\nchurn: 3 nodes, {args.model_config.name}, default flags and {' '.join(CHURN_FLAGS[:8])}; A founds, B "
-          f"joins once A is ready, C once B is; C is killed {args.kill_after:g}s after its first round and started "
-          f"again {args.rejoin_after:g}s later with the same identity; tbf both ways on every link\n")
-    base = next((r["samples_per_s"] for r in results if r["rate"] == "unlimited"), None)
-    print("| Mbit/s | node | join s | downloads | download s | replay s | ready s | ready to first round s "
-          "| MB received until then | A's updates meanwhile |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        for j in r["joins"]:
-            print(f"| {r['rate']} | {j['node']} | {j['join_s']:.0f} | {j['downloads']} | {j['download_s']:.0f} | "
-                  f"{j['replay_s']:.1f} | {j['ready_s']:.0f} | {j['first_round_s']:.0f} | {j['state_mb']:.0f} | "
-                  f"{j['founder_updates']} |")
-    print("\n| Mbit/s | window s | swarm samples | samples/s | vs unlimited | A's updates | A's rounds without a group |")
-    print("|---|---|---|---|---|---|---|")
-    for r in results:
-        vs = f"{r['samples_per_s'] / base:.2f}x" if base else ""
-        print(f"| {r['rate']} | {r['seconds']:.0f} | {r['samples']} | {r['samples_per_s']:.2f} | {vs} | "
-              f"{r['a_updates']} | {r['a_gave_up']} |")
 
 
 def main() -> None:
