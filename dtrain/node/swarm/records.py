@@ -140,18 +140,21 @@ def read(dht: hivemind.DHT, key: str, timeout_s: float = TIMEOUT_S) -> dict[str,
 
 
 @contextlib.contextmanager
-def identity_kwargs(owner: RecordOwner, identity_path: Optional[str] = None) -> Iterator[dict]:
+def identity_kwargs(owner: RecordOwner, identity_path: Optional[str] = None, fresh: bool = False) -> Iterator[dict]:
     """hivemind.DHT keyword arguments that start p2pd with `owner`'s key as its libp2p identity, so that the peer
     id is the one its records' subkey names. Without `identity_path` (a file that holds that key already) the key
-    is written to a private temporary file for p2pd to read at its start, and removed when the block ends."""
+    is written to a private temporary file for p2pd to read at its start, and removed when the block ends.
+
+    hivemind checks that an identity file's peer is not running already, with a second p2pd that dials the swarm
+    for it (seconds of every start). Only a file the node used before can be: a `fresh` one, made for this start,
+    and a temporary one are not checked."""
     if identity_path is not None:
-        yield dict(identity_path=str(identity_path))
+        yield dict(identity_path=str(identity_path), **(dict(check_if_identity_free=False) if fresh else {}))
         return
     folder = tempfile.mkdtemp(prefix="dtrain-identity-")  # mode 0700
     try:
         path = os.path.join(folder, "identity.key")
         owner.write_identity(path)
-        # a fresh random identity cannot be taken already: skip hivemind's check, which starts a second p2pd
         yield dict(identity_path=path, check_if_identity_free=False)
     finally:
         shutil.rmtree(folder, ignore_errors=True)

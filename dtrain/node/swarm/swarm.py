@@ -84,7 +84,8 @@ class Swarm:
         self.run_id = keyed_run_id(swarm_key, config.run_id) if swarm_key else config.run_id
         self.closed = swarm_key is not None
         identity_path = config.identity_path
-        if identity_path and not os.path.exists(identity_path):
+        fresh = bool(identity_path) and not os.path.exists(identity_path)
+        if fresh:
             P2P.generate_identity(identity_path)  # a stable peer id across restarts
             logger.info(f"Generated a new libp2p identity in {identity_path}")
         # the node's records are signed with its libp2p identity, so a record's subkey names its peer
@@ -97,7 +98,7 @@ class Swarm:
         client = self.reachability.mode == "client"
         keep_state_shared(local_optimizer)  # before hivemind forks its first process, and can hand the state out
         memory.trim()  # what the moves to shared memory freed is not inherited by the forks either
-        with identity_kwargs(self.owner, identity_path) as identity, _closed_join(self.closed):
+        with identity_kwargs(self.owner, identity_path, fresh) as identity, _closed_join(self.closed):
             self.dht = hivemind.DHT(
                 initial_peers=list(config.initial_peers),
                 host_maddrs=list(config.host_maddrs),
