@@ -29,6 +29,7 @@ writes there the payload it offers and its epoch (the payload is the one it buil
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import struct
 import tempfile
@@ -51,23 +52,30 @@ logger = get_logger(__name__)
 
 CHUNK_BYTES = 1 << 20  # payload bytes per stream message
 REGISTER_WAIT_S = 5.0  # how long a member waits for a round it has not begun yet when a peer's payload arrives
-EPOCH = struct.Struct("<q")  # a member's epoch, before its payload on the wire and in the offer's file
+HEADER = struct.Struct("<qQ")  # a member's epoch and its payload's length, before the payload on the wire and on file
 UNKNOWN_EPOCH = -1  # a member whose node handed no offer: it is taken to be at the group's epoch
 
 
 def framed(epoch: int, payload: bytes) -> bytes:
-    """A member's payload as it goes on the wire: its epoch, then the payload."""
-    return EPOCH.pack(epoch) + payload
+    """A member's payload as it goes on the wire: its epoch and length, then the payload."""
+    return HEADER.pack(epoch, len(payload)) + payload
+
+
+def framed_size(head: bytes) -> int:
+    """The whole size of a framed payload that begins with `head` (at least HEADER.size bytes)."""
+    return HEADER.size + HEADER.unpack_from(head)[1]
 
 
 def unframed(data: bytes) -> tuple[int, bytes]:
-    """(epoch, payload) of a member's framed payload; ValueError if it is not one."""
-    if len(data) < EPOCH.size:
+    """(epoch, payload) of a member's framed payload; ValueError if it is not one (a stream cut short included)."""
+    if len(data) < HEADER.size:
         raise ValueError(f"{len(data)} bytes are no epoch and payload")
-    (epoch,) = EPOCH.unpack_from(data)
+    epoch, length = HEADER.unpack_from(data)
     if epoch < UNKNOWN_EPOCH:
         raise ValueError(f"epoch {epoch} is no epoch")
-    return epoch, data[EPOCH.size:]
+    if len(data) != HEADER.size + length:
+        raise ValueError(f"{len(data) - HEADER.size} bytes of a payload of {length}")
+    return epoch, data[HEADER.size:]
 
 
 def at_group_epoch(epochs: Sequence[int]) -> tuple[int, list[bool]]:
@@ -143,6 +151,33 @@ class _TooLarge(Exception):
     pass
 
 
+@dataclass
+class _Arriving:
+    """A framed payload arriving in chunks: whole once it holds the length its header declares."""
+
+    weight: float
+    limit: int  # the most bytes a framed payload may have
+    chunks: list = field(default_factory=list)
+    size: int = 0
+    whole_size: Optional[int] = None
+
+    def add(self, chunk: bytes) -> None:
+        """One more chunk; _TooLarge past the limit or past the declared length."""
+        self.chunks.append(chunk)
+        self.size += len(chunk)
+        if self.whole_size is None and self.size >= HEADER.size:
+            self.whole_size = framed_size(b"".join(self.chunks)[:HEADER.size])
+        if self.size > self.limit or (self.whole_size is not None and self.size > min(self.whole_size, self.limit)):
+            raise _TooLarge()
+
+    @property
+    def whole(self) -> bool:
+        return self.whole_size is not None and self.size == self.whole_size
+
+    def data(self) -> bytes:
+        return b"".join(self.chunks)
+
+
 class RoundFiles:
     """Two unlinked temporary files a node and its averager's process share (made before the fork; nothing is left
     on disk whatever happens to either): `offer`, the epoch of the node and the payload it offers in its next round
@@ -164,7 +199,7 @@ class RoundFiles:
         """(epoch, payload) of the node's last offer: UNKNOWN_EPOCH before the first; None for no payload."""
         fd = self._offer.fileno()
         size = os.fstat(fd).st_size
-        if size < EPOCH.size:
+        if size < HEADER.size:
             return UNKNOWN_EPOCH, None
         epoch, payload = unframed(record.pread_all(fd, size, 0))
         return epoch, payload or None
@@ -205,9 +240,9 @@ class SparseGatherAverager(CommittingGradientAverager):
         return sum(sizes), sparse.max_kept(sizes, self.fraction)
 
     @cached_property
-    def _max_payload_bytes(self) -> int:  # framed: with its epoch
+    def _max_payload_bytes(self) -> int:  # framed: with its epoch and length
         total, limit = self._limits
-        return EPOCH.size + sparse.payload_bytes(limit, total, quantized=True)
+        return HEADER.size + sparse.payload_bytes(limit, total, quantized=True)
 
     async def _exchange(self, group_info: GroupInfo, min_vector_size: int, weight: float = 1.0, **kwargs):
         # the round holds the averaged tensors (the node's .grad, node.swarm.commit) from its offer to its average,
@@ -282,31 +317,49 @@ class SparseGatherAverager(CommittingGradientAverager):
         return {peer: gathered[peer] for peer, _, _ in members}, None
 
     async def _call(self, peer: PeerID, group_id: bytes, round_: _Round) -> Optional[str]:
-        """Swap payloads with `peer`: this member's out, the ones `peer` answers with in; why not, if it failed."""
+        """Swap payloads with `peer`: this member's out, the ones `peer` answers with in; why not, if it failed.
+
+        This member's side of the stream stays open until it holds the whole answer, and `peer` ends its side only
+        after this one (`rpc_sparse_gather`): a side that ends while its last bytes are still on their way over a
+        slow link can have them cut off (p2pd resets a stream that is closed with bytes unread), which the receiver
+        would see as a clean end of a shorter payload."""
         expected = set(round_.plan.answer(peer, self.peer_id))
+        answered = asyncio.Event()
+
+        async def requests():
+            for message in _chunks(group_id, self.peer_id, round_.weight, round_.own):
+                yield message
+            # bounded: hivemind awaits this side's end after the answer's, also when the answer was cut short
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(answered.wait(), self._allreduce_timeout)
+
+        parts: Dict[PeerID, _Arriving] = {}
         try:
             stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)
-            stream = await stub.rpc_sparse_gather(
-                as_aiter(*_chunks(group_id, self.peer_id, round_.weight, round_.own)))
-            parts: Dict[PeerID, list] = {}
+            stream = await stub.rpc_sparse_gather(requests())
             async for message in stream:
                 if message.code != averaging_pb2.AVERAGED_PART:
                     return f"{peer} refused the payload ({averaging_pb2.MessageCode.Name(message.code)})"
                 sender = PeerID(message.peer_id)
                 if sender not in expected:
                     return f"{peer} sent a payload of {sender}, not one it answers with"
-                part = parts.setdefault(sender, [message.weight, [], 0])  # weight, chunks, bytes so far
-                part[1].append(message.tensor_part.buffer)
-                part[2] += len(message.tensor_part.buffer)
-                if part[2] > self._max_payload_bytes:
+                part = parts.setdefault(sender, _Arriving(message.weight, self._max_payload_bytes))
+                try:
+                    part.add(message.tensor_part.buffer)
+                except _TooLarge:
                     return f"{peer} sent more than a payload for {sender}"
+                if all(p in parts and parts[p].whole for p in expected):
+                    answered.set()
         except Exception as e:  # a dropped stream, an unreachable peer: the round cannot complete
             return f"the exchange with {peer} failed ({type(e).__name__}: {e})"
-        missing = [str(p) for p in expected if p not in parts]
+        finally:
+            answered.set()
+        missing = [f"{p} ({parts[p].size if p in parts else 0} bytes)" for p in expected
+                   if p not in parts or not parts[p].whole]
         if missing:
-            return f"{peer} sent no payload of {', '.join(missing)}"
-        for sender, (w, chunks, _) in parts.items():
-            await round_.put(sender, w, b"".join(chunks))
+            return f"{peer} sent no whole payload of {', '.join(missing)}"
+        for sender, part in parts.items():
+            await round_.put(sender, part.weight, part.data())
         return None
 
     async def _announce_round(self) -> None:
@@ -345,28 +398,33 @@ class SparseGatherAverager(CommittingGradientAverager):
         try:
             for message in _chunks(first.group_id, self.peer_id, round_.weight, round_.own):
                 yield message
-            await receiving
+            forward = round_.plan.answer(self.peer_id, caller)[1:]
+            if forward and not await round_.wait_for(forward, timeout=self._allreduce_timeout):
+                yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
+                return
+            for peer in forward:
+                weight, data = round_.payloads[peer]
+                for message in _chunks(first.group_id, peer, weight, data):
+                    yield message
+            # the caller ends its side once it holds the whole answer (`_call`): only then does this side end
+            await asyncio.wait_for(receiving, self._allreduce_timeout)
         except _TooLarge:
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
-            return
+        except asyncio.TimeoutError:
+            pass  # the round has run out of time: the caller's exchange fails, or has failed, by its own deadline
         finally:
             receiving.cancel()
-        forward = round_.plan.answer(self.peer_id, caller)[1:]
-        if forward and not await round_.wait_for(forward, timeout=self._allreduce_timeout):
-            yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
-            return
-        for peer in forward:
-            weight, data = round_.payloads[peer]
-            for message in _chunks(first.group_id, peer, weight, data):
-                yield message
 
     async def _receive(self, first: averaging_pb2.AveragingData, stream: AsyncIterator[averaging_pb2.AveragingData],
                        caller: PeerID, round_: _Round) -> None:
-        """Read `caller`'s payload (bounded) into the round, as soon as it is whole."""
-        chunks, size = [first.tensor_part.buffer], len(first.tensor_part.buffer)
+        """Read `caller`'s payload (bounded) into the round as soon as it is whole, then wait for the caller to end
+        its side of the stream."""
+        part = _Arriving(float(first.weight), self._max_payload_bytes)
+        part.add(first.tensor_part.buffer)
+        if part.whole:
+            await round_.put(caller, part.weight, part.data())
         async for message in stream:
-            chunks.append(message.tensor_part.buffer)
-            size += len(message.tensor_part.buffer)
-            if size > self._max_payload_bytes:
-                raise _TooLarge()
-        await round_.put(caller, float(first.weight), b"".join(chunks))
+            was_whole = part.whole
+            part.add(message.tensor_part.buffer)  # past the whole payload: _TooLarge
+            if part.whole and not was_whole:
+                await round_.put(caller, part.weight, part.data())
