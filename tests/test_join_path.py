@@ -45,7 +45,7 @@ def _tracker(local_epoch: int, key: bytes = b"me", client: bool = False) -> Pace
     tracker._local_public_key = key
     tracker.announced_epochs = dict
     tracker.round_due, tracker.between_rounds_s, tracker._others_due_at, tracker._due_at = None, 3.0, None, None
-    tracker._floor = (-1, 0.0)
+    tracker._floor, tracker._reads, tracker._read_wait = (-1, 0.0), 0, (0, 0.0)
     tracker.dht, tracker.client_mode = type("DHT", (), {"peer_id": PeerID(b"me")})(), client
     tracker.should_report_progress, tracker.global_state_updated = threading.Event(), threading.Event()
     tracker.local_progress = LocalTrainingProgress(peer_id=b"me", epoch=local_epoch, samples_accumulated=8,
@@ -164,3 +164,27 @@ def test_a_round_begins_without_the_settle_wait_once_every_other_peer_says_its_r
     tracker.local_progress = tracker._get_local_progress(5, 0)
     tracker.global_progress.epoch = 5
     assert not tracker.ready_to_update_epoch and tracker.local_progress.samples_per_second > 0.0
+
+
+def test_after_a_round_that_gave_no_update_the_next_waits_for_a_fresh_read_of_the_swarms_progress():
+    # the read from before the round shows every peer due at epoch 4; meanwhile a peer made its update 5 alone
+    tracker = _tracker(4)
+    tracker.round_due, tracker.others_present, tracker.settle_s = (lambda: True), (lambda: True), 60.0
+    tracker._seen_samples, tracker._grew_at = 0, time.monotonic()
+    before = {b"me": _entry(4, 8, peer=b"me"), b"a": _entry(4, 8, peer=b"a", rate=0.0)}
+    tracker.global_progress = tracker._parse_swarm_progress_data(before)
+    assert tracker.ready_to_update_epoch
+    tracker.read_before_next_round()
+    assert tracker.global_state_updated.is_set()  # the read comes now
+    assert not tracker.ready_to_update_epoch, "a round began on the read from before the last one"
+    # the fresh read shows the swarm ahead: this peer catches up (hivemind's "ready" for a peer behind)
+    tracker.global_progress = tracker._parse_swarm_progress_data({**before, b"a": _entry(5, 0, peer=b"a")})
+    assert tracker.global_epoch == 5 and tracker.ready_to_update_epoch
+    # or it shows the swarm where it was: the round begins as before
+    tracker.read_before_next_round()
+    tracker.global_progress = tracker._parse_swarm_progress_data(before)
+    assert tracker.ready_to_update_epoch
+    # and a read that never comes holds no round for longer than READ_WAIT_S
+    tracker.read_before_next_round()
+    tracker._read_wait = (tracker._read_wait[0], time.monotonic() - 1.0)
+    assert tracker.ready_to_update_epoch

@@ -307,6 +307,8 @@ class SwarmOptimizer(hivemind.Optimizer):
             super()._update_global_epoch(grad_scaler)
         except NoSwarmRound as e:
             self.skipped_rounds += 1
+            if isinstance(self.tracker, PacedTracker):
+                self.tracker.read_before_next_round()
             if time.monotonic() >= self._next_skip_log:  # a client-mode peer left alone retries every poll
                 self._next_skip_log = time.monotonic() + SKIP_LOG_EVERY_S
                 logger.info(f"{e}; {self.skipped_rounds} such rounds so far")

@@ -9,6 +9,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 FLOOR_S = 30.0  # how long a round's word that the swarm is ahead outweighs the progress records (`swarm_is_at`)
+READ_WAIT_S = 10.0  # the longest a round waits for a read of the swarm's progress after one that gave no update
 
 
 class PacedTracker(ProgressTracker):
@@ -62,12 +63,17 @@ class PacedTracker(ProgressTracker):
         self._others_due_at: Optional[int] = None
         self._due_at: Optional[int] = None  # the epoch at which this node's round is due (`round_is_due`)
         self._floor: tuple[int, float] = (-1, 0.0)  # the swarm's epoch at least, until when (`swarm_is_at`)
+        # no round before this many reads of the swarm's progress, until when (`read_before_next_round`)
+        self._reads, self._read_wait = 0, (0, 0.0)
         super().__init__(*args, **kwargs)
 
     @property
     def ready_to_update_epoch(self) -> bool:
         if self.global_epoch > self.local_progress.epoch:
             return True
+        reads, until = self._read_wait
+        if self._reads < reads and time.monotonic() < until:
+            return False
         progress = self.global_progress
         samples = progress.samples_accumulated
         if samples != self._seen_samples:
@@ -102,6 +108,7 @@ class PacedTracker(ProgressTracker):
         else:
             self._others_due_at = None
         self._raised_to_floor(progress)
+        self._reads += 1
         if self.round_due is not None and not self.round_due():
             progress.next_fetch_time = max(progress.next_fetch_time, get_dht_time() + self.between_rounds_s)
         return progress
@@ -122,6 +129,16 @@ class PacedTracker(ProgressTracker):
             return
         self._due_at = local.epoch
         self.report_local_progress(local.epoch, local.samples_accumulated)
+        self.global_progress.next_fetch_time = get_dht_time()
+        self.global_state_updated.set()
+
+    def read_before_next_round(self) -> None:
+        """This peer's round gave it no update. The swarm may have moved on meanwhile (a peer's update alone, the
+        others' round without it), which its last read of the swarm's progress, from before the round, does not
+        show: begun on that read, its next round would look, for the whole matchmaking deadline, for a group at an
+        epoch nobody is at. So no round of this peer begins before the swarm's progress was read again (now; for
+        at most READ_WAIT_S). A read already on its way when this is called counts as the next one."""
+        self._read_wait = (self._reads + 1, time.monotonic() + READ_WAIT_S)
         self.global_progress.next_fetch_time = get_dht_time()
         self.global_state_updated.set()
 
