@@ -2,7 +2,7 @@
 them client-mode peers that nobody can dial: every member ends the round with the same bits, the codec's average of
 the four payloads, one of them the offer its node handed over instead of its `.grad`; and every member's record of
 the round gives those bits. A member behind the group's epoch commits the round, which the others average without
-its payload, and applies nothing. Who calls whom is tested in tests/test_gather_plan.py."""
+its payload, and applies nothing; when the members at the group's epoch are no majority, nobody applies it. Who calls whom is tested in tests/test_gather_plan.py."""
 from __future__ import annotations
 
 import itertools
@@ -105,5 +105,18 @@ def test_a_member_behind_the_groups_epoch_is_left_out_of_the_average_and_applies
     kept = record.parse(rec0, ELEMENTS, limit)
     assert {rec0[m.offset:m.offset + m.length] for m in kept} == {sparse.encode(o, quantized=True)
                                                                    for o in offers[:2]}
-    assert isinstance(behind, AbortedRound) and behind.behind and behind.group_epoch == 8, behind
+    assert isinstance(behind, AbortedRound) and behind.skip and behind.swarm_epoch == 9, behind
     assert torch.equal(g2, offers[2]), "the member behind had its .grad written by a round it does not apply"
+
+
+def test_a_round_whose_members_at_the_groups_epoch_are_no_majority_is_applied_by_nobody():
+    """One member at epoch 5 and one at 4: applied by the one at 5 alone, the round would put the other behind it
+    again, and so on in rounds of one payload. Nobody applies it; the one behind learns the swarm is at 5."""
+    with members([False, False]) as group:
+        offers = [param.grad.clone() for param, _ in group]
+        for (_, averager), offer, epoch in zip(group, offers, (5, 4)):
+            averager.round_files.hand_offer(epoch, sparse.encode(offer, quantized=True))
+        outcomes = run(group)
+    for (result, grad, _), offer in zip(outcomes, offers):
+        assert isinstance(result, AbortedRound) and result.skip and result.swarm_epoch == 5, result
+        assert torch.equal(grad, offer), "a member had its .grad written by a round nobody applies"

@@ -38,7 +38,11 @@ def test_a_payload_arriving_in_chunks_is_whole_at_its_declared_length_and_refuse
         lying.add(b"x" * len(data))
 
 
-def test_a_round_averages_the_members_at_the_highest_epoch_and_those_of_unknown_epoch():
+def test_a_round_averages_the_members_at_the_highest_epoch_and_those_of_unknown_epoch_when_they_are_a_majority():
     assert at_group_epoch([8, 8, 7]) == (8, [True, True, False])
     assert at_group_epoch([5, UNKNOWN_EPOCH, 4, 5]) == (5, [True, True, False, True])
     assert at_group_epoch([UNKNOWN_EPOCH, UNKNOWN_EPOCH]) == (UNKNOWN_EPOCH, [True, True])
+    assert at_group_epoch([3, 3]) == (3, [True, True])
+    assert at_group_epoch([5, 4]) == (5, [False, False])
+    assert at_group_epoch([5, 5, 4, 4]) == (5, [False] * 4)
+    assert at_group_epoch([5, 4, 4]) == (5, [False] * 3)

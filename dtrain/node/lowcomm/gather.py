@@ -18,8 +18,12 @@ Members at different epochs: a member sends its epoch with its payload (the epoc
 pseudo-gradient is from). A node that read the swarm's progress just before the others' update can join their next
 round one epoch behind; its pseudo-gradient is from parameters they have left, and the update it would make is bytes
 nobody else has. So the round averages the payloads of the members at the group's epoch (the highest any member
-sent) and nothing else, on every member alike; a member behind it commits the round for the others, applies
-nothing (`AbortedRound.behind`), catches up and offers its pseudo-gradient again in the swarm's next round.
+sent) and nothing else, on every member alike, when they are a majority of the group; a member behind commits the
+round for the others, applies nothing (`AbortedRound.skip`), catches up and offers its pseudo-gradient again in the
+swarm's next round. When they are not a majority, nobody applies the round: the members behind catch up, and the
+next round has them all. Applied by a lone member at the group's epoch, the round would put the others behind it
+again, and the swarm would go on in rounds of one member (seen in a churn run: every round of two minutes averaged
+one payload, each node in turn).
 
 The node and its averager's process share two unlinked files (`RoundFiles`, opened before the fork): the node
 writes there the payload it offers and its epoch (the payload is the one it built, so the averager does not encode
@@ -80,9 +84,12 @@ def unframed(data: bytes) -> tuple[int, bytes]:
 
 def at_group_epoch(epochs: Sequence[int]) -> tuple[int, list[bool]]:
     """The group's epoch (the highest a member is at) and, per member, whether its payload is averaged: it is at
-    that epoch, or its epoch is unknown."""
+    that epoch, or its epoch is unknown. None is when those members are not a majority of the group."""
     group = max(epochs)
-    return group, [e in (group, UNKNOWN_EPOCH) for e in epochs]
+    averaged = [e in (group, UNKNOWN_EPOCH) for e in epochs]
+    if 2 * sum(averaged) <= len(epochs):
+        averaged = [False] * len(epochs)
+    return group, averaged
 
 
 class Plan(NamedTuple):
@@ -297,11 +304,15 @@ class SparseGatherAverager(CommittingGradientAverager):
         group_epoch, averaged = at_group_epoch(epochs)
         members = [(peer, round_.payloads[peer][0], payload)
                    for peer, payload, ok in zip(group_info.peer_ids, payloads, averaged) if ok]
+        if not members:  # .grad stays every member's own offer: nobody applies anything
+            top = sum(e == group_epoch for e in epochs)
+            return AbortedRound(f"{top} of the group's {len(epochs)} members are at its epoch {group_epoch}, this peer "
+                                f"at {epoch}: nobody applies the round, and the members behind catch up first",
+                                skip=True, swarm_epoch=group_epoch), None
         if epoch not in (group_epoch, UNKNOWN_EPOCH):  # .grad stays this member's own offer: it applies nothing
-            behind = AbortedRound(f"this peer was at epoch {epoch}, the group at {group_epoch}: the others averaged "
-                                  f"{len(members)} payloads without its own", behind=True,
-                                  group_epoch=group_epoch)
-            return behind, None
+            return AbortedRound(f"this peer was at epoch {epoch}, the group at {group_epoch}: the others averaged "
+                                f"{len(members)} payloads without its own", skip=True,
+                                swarm_epoch=group_epoch + 1), None
         try:
             decoded = (sparse.decode(payload, total, limit, quantized=True) for _, _, payload in members)
             # straight into the round's tensors (the node's .grad): no flat copy of the model in this process. A

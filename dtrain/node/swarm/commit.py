@@ -52,10 +52,10 @@ class AbortedRound:
 
     reason: str
     ran_out: bool = False  # the round ran out of time (its exchange, or a member's record, came too late)
-    # the round completed, but this member was behind the group's epoch: the others applied it without this
-    # member's gradient, and this member applies nothing (node.lowcomm.gather)
-    behind: bool = False
-    group_epoch: int = -1  # when behind: the epoch of the group's members the others averaged
+    # the round completed, but this member applies nothing (node.lowcomm.gather): it was behind the group's epoch
+    # and the others applied the round without it, or the members at the group's epoch were too few and nobody did
+    skip: bool = False
+    swarm_epoch: int = -1  # when skipped: the epoch the swarm is at after this round, by its members' epochs
 
 
 class ExchangeClock:
@@ -176,13 +176,13 @@ class CommittingGradientAverager(Retimable, ExpectedGroup, KeyGatedServicer, Gra
             return AbortedRound(reason, ran_out)
         self.exchanges.record(exchange_s)
         if isinstance(gathered, AbortedRound):
-            logger.info(f"Gradient round {group_id.hex()[:8]} committed without this peer: {gathered.reason}")
+            logger.info(f"Gradient round {group_id.hex()[:8]} committed; this peer applies nothing of it: {gathered.reason}")
         return gathered
 
     async def _exchange(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
         """The round's data exchange: (what the round returns once committed, None when this member's part is complete
         else why not). What it returns: the gathered data of the members whose gradients were averaged, or an
-        AbortedRound(behind=True) for a member the others averaged without. hivemind's butterfly all-reduce here;
+        AbortedRound(skip=True) for a member that applies nothing of it. hivemind's butterfly all-reduce here;
         the sparse codec gathers payloads instead (node.lowcomm.gather)."""
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         # the round's runner stays registered until the round returns (DecentralizedAverager._step)

@@ -142,6 +142,16 @@ class PacedTracker(ProgressTracker):
         self.global_progress.next_fetch_time = get_dht_time()
         self.global_state_updated.set()
 
+    def read_now(self, timeout_s: float) -> bool:
+        """Read the swarm's progress now and wait (at most `timeout_s`) for the read; whether it came."""
+        wanted = self._reads + 1
+        self.global_progress.next_fetch_time = get_dht_time()
+        self.global_state_updated.set()
+        deadline = time.monotonic() + timeout_s
+        while self._reads < wanted and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self._reads >= wanted
+
     def swarm_is_at(self, epoch: int) -> None:
         """A round showed that the swarm is at `epoch` at least (node.lowcomm.gather: the others averaged without
         this peer): this peer's view of the swarm's progress, which may be seconds old, says so at once, so it
