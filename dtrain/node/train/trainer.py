@@ -353,12 +353,10 @@ class TrainingNode:
             self.loop.resume(restored)  # off the anchor: the snapshot served is the anchor's
             self.publisher.share_state()
         self._last_checkpoint_epoch = opt.local_epoch
-        if any(peer != swarm.peer_id for peer in self.presence.refresh(snap.step, 0)) \
-                and self._first_state != "download":
+        if any(peer != swarm.peer_id for peer in self.presence.refresh(snap.step, 0)):
             # ready once every node has read this one's announcement: until then a node that takes a packet
             # believes it is alone and updates at once, and this node, behind, has to catch up before its first
-            # update can join the swarm's. A node that downloaded was announced before it asked for the state
-            # and throughout the download (node.train.follow.join_download)
+            # update can join the swarm's
             self._stop.wait(ANNOUNCE_EVERY_S + 0.5)
         if self._first_state == "download":
             self.follower.arrive_late()
