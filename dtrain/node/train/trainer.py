@@ -356,7 +356,8 @@ class TrainingNode:
         if any(peer != swarm.peer_id for peer in self.presence.refresh(snap.step, 0)):
             # ready once every node has read this one's announcement: until then a node that takes a packet
             # believes it is alone and updates at once, and this node, behind, has to catch up before its first
-            # update can join the swarm's
+            # update can join the swarm's; and a joiner that downloaded was announced as downloading (epoch -1),
+            # counted in no round of theirs until they read its epoch
             self._stop.wait(ANNOUNCE_EVERY_S + 0.5)
         if self._first_state == "download":
             self.follower.arrive_late()
