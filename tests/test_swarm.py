@@ -48,9 +48,14 @@ def test_peers_byte_identical_after_each_epoch_and_a_late_joiner_catches_up_befo
     peers = 2
     run_id = new_run_id()
     nodes = start_swarm(peers, _train_args(text_file, peers), run_id)
+    swarm = list(nodes)
     try:
-        _check_lockstep(nodes, peers, epochs=3)
-        _check_late_joiner(nodes, run_id)
+        # the late node joins once the two train in lockstep: its join (a download, about 20 s) runs while they
+        # train the epochs checked below, instead of after them
+        _check_lockstep(swarm, peers, epochs=1)
+        late = _start_late_joiner(nodes, run_id)
+        _check_lockstep(swarm, peers, epochs=3)
+        _check_late_joiner(swarm, late)
         for node in nodes:
             node.terminate()
     except BaseException:
@@ -80,13 +85,18 @@ def _check_lockstep(nodes, peers: int, epochs: int) -> None:
           f"{repaired} peer-updates repaired after a failed averaging round")
 
 
-def _check_late_joiner(nodes, run_id: str) -> None:
-    """A node joining a training swarm (appended to `nodes`) serves, from its first step, the swarm's bytes."""
+def _start_late_joiner(nodes, run_id: str) -> NodeProcess:
+    """A node joining the training swarm `nodes` once it is past two epochs, with nothing to train on of its own;
+    appended to `nodes`."""
     wait_until(lambda: min(max(n.digests(), default=0) for n in nodes) >= 3, 120, "two epochs")
     late = NodeProcess("late", [*PER_STEP, "--model-config", str(TINY_CONFIG)], run_id,
                        initial_peers=nodes[0].wait_ready())
-    swarm = list(nodes)
     nodes.append(late)
+    return late
+
+
+def _check_late_joiner(swarm, late: NodeProcess) -> None:
+    """A node joining a training swarm (`_start_late_joiner`) serves, from its first step, the swarm's bytes."""
     late.wait_ready()
     first_step, first_digest = min(late.digests().items())
     assert first_step >= 3, late.output()[-2000:]
