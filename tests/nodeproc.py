@@ -213,14 +213,17 @@ def maddrs_on(node: NodeProcess, host) -> list[str]:
     return [m for m in node.status()["maddrs"] if m.startswith(f"/ip4/{host.ip}/")]
 
 
-def start_swarm(n: int, args: Sequence[str], run_id: str, ready_timeout_s: float = 90.0) -> list[NodeProcess]:
-    """A first node on its own, then n - 1 nodes joining it at its printed multiaddrs; returns once all serve."""
-    nodes = [NodeProcess("A", args, run_id)]
+def start_swarm(n: int, args: Sequence[str], run_id: str, ready_timeout_s: float = 90.0,
+                args_of: Optional[dict[str, Sequence[str]]] = None) -> list[NodeProcess]:
+    """A first node on its own, then n - 1 nodes joining it at its printed multiaddrs, all at once; returns once all
+    serve. `args_of`: the arguments of a node by name ("B"), where they are not `args`."""
+    args_of = args_of or {}
+    nodes = [NodeProcess("A", args_of.get("A", args), run_id)]
     try:
         maddrs = nodes[0].wait_ready(ready_timeout_s)
         assert maddrs, nodes[0].output()
         for name in "BCDE"[: n - 1]:
-            nodes.append(NodeProcess(name, args, run_id, initial_peers=maddrs))
+            nodes.append(NodeProcess(name, args_of.get(name, args), run_id, initial_peers=maddrs))
         for node in nodes[1:]:
             node.wait_ready(ready_timeout_s)
     except BaseException:  # the caller gets no nodes to stop: none may outlive it

@@ -68,12 +68,11 @@ def test_every_accepted_packet_is_applied_on_every_node(no_decay, peers):
 def test_a_killed_peer_costs_nothing_accepted_and_returns_with_the_swarms_bytes(no_decay, tmp_path):
     run_id = new_run_id()
     ckpt = ["--checkpoint-dir", str(tmp_path / "c"), "--checkpoint-every", "1"]
-    nodes = start_swarm(2, no_decay, run_id)
-    c = NodeProcess("C", [*no_decay, *ckpt], run_id, initial_peers=nodes[0].wait_ready())
-    nodes.append(c)
+    # B and C join A together; C keeps checkpoints, to come back from after it is killed
+    nodes = start_swarm(3, no_decay, run_id, args_of={"C": [*no_decay, *ckpt]})
+    c = nodes[2]
     everyone = list(nodes)
     with shown_on_failure(everyone):
-        c.wait_ready()
         _, before = tensor_f32(nodes[0], TENSOR)
         contributions = Contributions(tensor_elements=before.size)
         with ByteWatch(nodes) as watch:
