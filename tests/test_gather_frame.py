@@ -1,11 +1,10 @@
 """A member's payload on the wire (node.lowcomm.gather): its epoch and length before it, so that a stream cut short
-is a payload refused, not a shorter one; and which members of a group a round averages by their epochs."""
+is a payload refused, not a shorter one."""
 from __future__ import annotations
 
 import pytest
 
-from dtrain.node.lowcomm.gather import (HEADER, UNKNOWN_EPOCH, _Arriving, _TooLarge, at_group_epoch, framed,
-                                        framed_size, unframed)
+from dtrain.node.lowcomm.gather import HEADER, UNKNOWN_EPOCH, _Arriving, _TooLarge, framed, framed_size, unframed
 
 pytestmark = pytest.mark.unit
 
@@ -36,13 +35,3 @@ def test_a_payload_arriving_in_chunks_is_whole_at_its_declared_length_and_refuse
     with pytest.raises(_TooLarge):
         lying.add(framed(3, b"x" * (len(data) + 1))[:HEADER.size + 10])
         lying.add(b"x" * len(data))
-
-
-def test_a_round_averages_the_members_at_the_highest_epoch_and_those_of_unknown_epoch_when_they_are_a_majority():
-    assert at_group_epoch([8, 8, 7]) == (8, [True, True, False])
-    assert at_group_epoch([5, UNKNOWN_EPOCH, 4, 5]) == (5, [True, True, False, True])
-    assert at_group_epoch([UNKNOWN_EPOCH, UNKNOWN_EPOCH]) == (UNKNOWN_EPOCH, [True, True])
-    assert at_group_epoch([3, 3]) == (3, [True, True])
-    assert at_group_epoch([5, 4]) == (5, [False, False])
-    assert at_group_epoch([5, 5, 4, 4]) == (5, [False] * 4)
-    assert at_group_epoch([5, 4, 4]) == (5, [False] * 3)

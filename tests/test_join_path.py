@@ -45,7 +45,7 @@ def _tracker(local_epoch: int, key: bytes = b"me", client: bool = False) -> Pace
     tracker._local_public_key = key
     tracker.announced_epochs = dict
     tracker.round_due, tracker.between_rounds_s, tracker._others_due_at, tracker._due_at = None, 3.0, None, None
-    tracker._floor, tracker._reads, tracker._read_wait = (-1, 0.0), 0, (0, 0.0)
+    tracker._reads, tracker._read_wait = 0, (0, 0.0)
     tracker.dht, tracker.client_mode = type("DHT", (), {"peer_id": PeerID(b"me")})(), client
     tracker.should_report_progress, tracker.global_state_updated = threading.Event(), threading.Event()
     tracker.local_progress = LocalTrainingProgress(peer_id=b"me", epoch=local_epoch, samples_accumulated=8,
@@ -89,28 +89,6 @@ def test_a_peer_announced_at_the_swarms_epoch_counts_whatever_its_record_says():
     client.announced_epochs = lambda: {**announced, PeerID(b"me").to_base58(): 3}
     progress = client._parse_swarm_progress_data(metadata)
     assert (progress.num_peers, progress.num_clients) == (3, 1)
-
-
-def test_a_round_that_went_on_without_this_peer_outweighs_the_old_records_until_it_caught_up():
-    # the others averaged epoch 4 without this peer (it was at 3): their records of epoch 5 are not in the DHT yet,
-    # and a read of the old ones (every peer at 4, its round due) would have it begin a round of epoch 3 nobody joins
-    metadata = {b"me": _entry(3, 8, peer=b"me"), b"other": _entry(4, 8, peer=b"other", rate=0.0)}
-    tracker = _tracker(3)
-    tracker.global_progress = tracker._parse_swarm_progress_data(metadata)
-    assert tracker.global_progress.epoch == 4
-    tracker.swarm_is_at(5)
-    assert tracker.global_epoch == 5 and tracker.global_state_updated.is_set()  # and it reads the records now
-    progress = tracker._parse_swarm_progress_data(metadata)
-    assert (progress.epoch, progress.samples_accumulated) == (5, 0) and tracker._others_due_at is None
-    # caught up, the word is spent: the records (and this peer's own epoch) decide again
-    tracker.local_progress = tracker.local_progress.copy(update=dict(epoch=5))
-    assert tracker._parse_swarm_progress_data(metadata).epoch == 5
-    tracker.local_progress = tracker.local_progress.copy(update=dict(epoch=3))
-    assert tracker._parse_swarm_progress_data(metadata).epoch == 4
-    # and the word lasts a bounded time: a swarm whose peers at 5 left is not waited for forever
-    tracker.swarm_is_at(5)
-    tracker._floor = (5, 0.0)
-    assert tracker._parse_swarm_progress_data(metadata).epoch == 4
 
 
 def test_no_records_is_hiveminds_own_answer():

@@ -3,13 +3,11 @@ also when hivemind has no average to offer (one peer, several step() calls; or a
 from __future__ import annotations
 
 import copy
-import threading
 import time
 
 import pytest
 import torch
 
-from dtrain.node.lowcomm import codec, sparse
 from dtrain.node.swarm import swarm
 from dtrain.node.train.adamw import make_local_optimizer
 from dtrain.node.config import ModelConfig, SwarmConfig, TrainConfig
@@ -201,57 +199,6 @@ def test_a_peer_whose_round_fails_in_the_epoch_it_arrived_in_late_makes_no_updat
         assert opt_a.local_epoch == 0
     finally:
         peer_b.shutdown()
-
-
-def test_peers_in_a_round_at_different_epochs_make_no_update_and_the_one_behind_sees_the_swarm_ahead():
-    """Two low-comm peers with the sparse codec in one round, B's offer from the epoch before A's (B read the
-    swarm's progress just before A's update). A alone at the group's epoch is no majority: neither makes an update,
-    both keep their parameters and their gradients to offer again, and B sees the swarm at A's epoch at once, so it
-    catches up before any round of its own. (Of three, the two at the group's epoch apply it: tests/test_gather.py.)"""
-    fraction = 0.2
-    config = dict(host_maddrs=("/ip4/127.0.0.1/tcp/0",), target_batch_size=6, matchmaking_time_s=1.0,
-                  request_timeout_s=0.5, averaging_timeout_s=10.0, wire_codec="sparse", topk_fraction=fraction)
-    models, peers = [build_model(ModelConfig.load(TINY_CONFIG)) for _ in range(2)], []
-    try:
-        run_id = new_run_id()
-        for model in models:
-            cfg = SwarmConfig(run_id=run_id, initial_peers=tuple(peers[0].dht.get_visible_maddrs()) if peers else (),
-                              **config)
-            grads = [g.view_as(p) for g, p in zip(sparse.quantize(sparse.top_k(_gradient(model), fraction)),
-                                                  model.parameters())]
-            peers.append(swarm.Swarm(cfg, make_local_optimizer(model, TRAIN), local_gradients=lambda g=grads: g,
-                                     averaging=codec.averaging(cfg)))
-            with torch.no_grad():
-                for p, g in zip(model.parameters(), grads):
-                    p.grad.copy_(g)
-            peers[-1].optimizer.grad_averager.round_files.hand_offer(
-                1 if len(peers) == 1 else 0, sparse.encode(grads, quantized=True))
-        opt_a, opt_b = (peer.optimizer for peer in peers)
-        assert peers[1].wait_for_progress(timeout_s=10)
-        before_b = [p.detach().clone() for p in models[1].parameters()]
-        for opt in (opt_a, opt_b):  # half the target each: the round begins once both see the other's samples
-            opt.report_samples(3)
-        deadline = time.monotonic() + 20
-        while min(o.tracker.global_progress.num_peers for o in (opt_a, opt_b)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-
-        def steps(opt, until) -> None:
-            deadline = time.monotonic() + 40
-            while not until() and time.monotonic() < deadline:
-                opt.step(batch_size=0)
-
-        before_a = [p.detach().clone() for p in models[0].parameters()]
-        a = threading.Thread(target=steps, args=(opt_a, lambda: opt_a.skipped_rounds >= 1 or opt_a.local_epoch == 1))
-        a.start()
-        steps(opt_b, lambda: opt_b.skipped_rounds >= 1 or opt_b.local_epoch == 1)
-        a.join()
-        for opt, model, before in ((opt_a, models[0], before_a), (opt_b, models[1], before_b)):
-            assert opt.skipped_rounds == 1 and opt.local_epoch == 0 and opt.last_round is None, opt
-            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
-        assert opt_b.tracker.global_epoch >= 1
-    finally:
-        for peer in peers:
-            peer.shutdown()
 
 
 def test_a_state_handed_to_a_download_is_one_moments_copy(single_peer):

@@ -14,16 +14,10 @@ the other client-mode members, whom nobody can dial. The commit step (node.swarm
 or nothing: a member says complete only if it holds every member's payload, checked (node.lowcomm.sparse.decode)
 before use.
 
-Members at different epochs: a member sends its epoch with its payload (the epoch of the anchor its
-pseudo-gradient is from). A node that read the swarm's progress just before the others' update can join their next
-round one epoch behind; its pseudo-gradient is from parameters they have left, and the update it would make is bytes
-nobody else has. So the round averages the payloads of the members at the group's epoch (the highest any member
-sent) and nothing else, on every member alike, when they are a majority of the group; a member behind commits the
-round for the others, applies nothing (`AbortedRound.skip`), catches up and offers its pseudo-gradient again in the
-swarm's next round. When they are not a majority, nobody applies the round: the members behind catch up, and the
-next round has them all. Applied by a lone member at the group's epoch, the round would put the others behind it
-again, and the swarm would go on in rounds of one member (seen in a churn run: every round of two minutes averaged
-one payload, each node in turn).
+Every member sends its epoch with its payload (the epoch of the anchor its pseudo-gradient is from) and its
+length, and every payload is averaged. A round whose members are at different epochs (one read the swarm's progress
+just before the others' update) is logged: the update it makes on the member behind differs from the others', and
+that member then downloads the state (docs/low-communication.md, "What is left").
 
 The node and its averager's process share two unlinked files (`RoundFiles`, opened before the fork): the node
 writes there the payload it offers and its epoch (the payload is the one it built, so the averager does not encode
@@ -46,11 +40,11 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import as_aiter, enter_asynchronously
+from hivemind.utils.asyncio import enter_asynchronously
 from hivemind.utils.logging import get_logger
 
 from dtrain.node.lowcomm import record, sparse
-from dtrain.node.swarm.commit import AbortedRound, CommittingGradientAverager, commit_window
+from dtrain.node.swarm.commit import CommittingGradientAverager, commit_window
 
 logger = get_logger(__name__)
 
@@ -80,16 +74,6 @@ def unframed(data: bytes) -> tuple[int, bytes]:
     if len(data) != HEADER.size + length:
         raise ValueError(f"{len(data) - HEADER.size} bytes of a payload of {length}")
     return epoch, data[HEADER.size:]
-
-
-def at_group_epoch(epochs: Sequence[int]) -> tuple[int, list[bool]]:
-    """The group's epoch (the highest a member is at) and, per member, whether its payload is averaged: it is at
-    that epoch, or its epoch is unknown. None is when those members are not a majority of the group."""
-    group = max(epochs)
-    averaged = [e in (group, UNKNOWN_EPOCH) for e in epochs]
-    if 2 * sum(averaged) <= len(epochs):
-        averaged = [False] * len(epochs)
-    return group, averaged
 
 
 class Plan(NamedTuple):
@@ -301,18 +285,11 @@ class SparseGatherAverager(CommittingGradientAverager):
             epochs, payloads = zip(*(unframed(round_.payloads[peer][1]) for peer in group_info.peer_ids))
         except ValueError as e:
             return gathered, f"a payload was refused: {e}"
-        group_epoch, averaged = at_group_epoch(epochs)
-        members = [(peer, round_.payloads[peer][0], payload)
-                   for peer, payload, ok in zip(group_info.peer_ids, payloads, averaged) if ok]
-        if not members:  # .grad stays every member's own offer: nobody applies anything
-            top = sum(e == group_epoch for e in epochs)
-            return AbortedRound(f"{top} of the group's {len(epochs)} members are at its epoch {group_epoch}, this peer "
-                                f"at {epoch}: nobody applies the round, and the members behind catch up first",
-                                skip=True, swarm_epoch=group_epoch), None
-        if epoch not in (group_epoch, UNKNOWN_EPOCH):  # .grad stays this member's own offer: it applies nothing
-            return AbortedRound(f"this peer was at epoch {epoch}, the group at {group_epoch}: the others averaged "
-                                f"{len(members)} payloads without its own", skip=True,
-                                swarm_epoch=group_epoch + 1), None
+        members = [(peer, round_.payloads[peer][0], payload) for peer, payload in zip(group_info.peer_ids, payloads)]
+        known = {e for e in epochs if e != UNKNOWN_EPOCH}
+        if len(known) > 1:
+            logger.warning(f"A gradient round of members at epochs {sorted(known)} (this peer at {epoch}): a member "
+                           f"behind makes an update the others do not")
         try:
             decoded = (sparse.decode(payload, total, limit, quantized=True) for _, _, payload in members)
             # straight into the round's tensors (the node's .grad): no flat copy of the model in this process. A

@@ -52,10 +52,6 @@ class AbortedRound:
 
     reason: str
     ran_out: bool = False  # the round ran out of time (its exchange, or a member's record, came too late)
-    # the round completed, but this member applies nothing (node.lowcomm.gather): it was behind the group's epoch
-    # and the others applied the round without it, or the members at the group's epoch were too few and nobody did
-    skip: bool = False
-    swarm_epoch: int = -1  # when skipped: the epoch the swarm is at after this round, by its members' epochs
 
 
 class ExchangeClock:
@@ -175,15 +171,11 @@ class CommittingGradientAverager(Retimable, ExpectedGroup, KeyGatedServicer, Gra
             logger.info(f"Gradient round {group_id.hex()[:8]} aborted: {reason}")
             return AbortedRound(reason, ran_out)
         self.exchanges.record(exchange_s)
-        if isinstance(gathered, AbortedRound):
-            logger.info(f"Gradient round {group_id.hex()[:8]} committed; this peer applies nothing of it: {gathered.reason}")
         return gathered
 
     async def _exchange(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
-        """The round's data exchange: (what the round returns once committed, None when this member's part is complete
-        else why not). What it returns: the gathered data of the members whose gradients were averaged, or an
-        AbortedRound(skip=True) for a member that applies nothing of it. hivemind's butterfly all-reduce here;
-        the sparse codec gathers payloads instead (node.lowcomm.gather)."""
+        """The round's data exchange: (gathered data, None when this member's average is complete else why not).
+        hivemind's butterfly all-reduce here; the sparse codec gathers payloads instead (node.lowcomm.gather)."""
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         # the round's runner stays registered until the round returns (DecentralizedAverager._step)
         return gathered, incompleteness(self._running_groups[group_info.group_id].result())

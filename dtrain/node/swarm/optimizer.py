@@ -30,7 +30,6 @@ from dtrain.node.swarm.tracker import PacedTracker
 logger = get_logger(__name__)
 
 SKIP_LOG_EVERY_S = 10.0  # at most one log line this often for rounds that made no update
-FRESH_READ_S = 3.0  # the longest a failed round waits for a read of the swarm's progress before an update alone
 
 
 @dataclass(frozen=True)
@@ -117,20 +116,9 @@ class SwarmOptimizer(hivemind.Optimizer):
             why = " alone (no samples of its own)"
         elif others and self.local_epoch == self.arrived_in:
             why = " alone in the epoch it arrived in late; its gradient waits for the swarm's next round"
-        elif others and self._swarm_moved_on():
-            why = (f": the swarm moved on to epoch {self.tracker.global_epoch} meanwhile, and this peer's update alone"
-                   f" would be bytes nobody has; it catches up, and its gradient waits for the swarm's next round")
         else:
             return
         raise NoSwarmRound(f"Gradient round failed ({reason}): no update{why}")
-
-    def _swarm_moved_on(self) -> bool:
-        """Whether the swarm is at a later epoch than this peer, by a read of its progress made now: the read from
-        before a round that failed does not show another peer's update made meanwhile."""
-        if not isinstance(self.tracker, PacedTracker):
-            return False
-        self.tracker.read_now(timeout_s=FRESH_READ_S)
-        return self.tracker.global_epoch > self.local_epoch
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
         return PacedTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
@@ -231,14 +219,6 @@ class SwarmOptimizer(hivemind.Optimizer):
             # until it ends, and no later write of it may land on the gradient loaded below
             with self.grad_averager.lock_averaged_tensors:
                 pass
-        if isinstance(group_info, AbortedRound) and group_info.skip:
-            # a round of members at different epochs that this peer applies nothing of: the others' update, when
-            # they made one, is the swarm's next epoch on parameters this peer does not have yet; it catches up
-            # (node.train.follow) and offers its gradient again in the swarm's next round
-            if group_info.swarm_epoch > self.local_epoch and isinstance(self.tracker, PacedTracker):
-                self.tracker.swarm_is_at(group_info.swarm_epoch)
-            raise NoSwarmRound(f"No update from the gradient round ({group_info.reason}); this peer's gradient waits "
-                               f"for the swarm's next round")
         if isinstance(group_info, AbortedRound):
             reason = group_info.reason + self._ran_out(group_info)
             self._no_round_alone(reason)

@@ -8,7 +8,6 @@ from hivemind.optim.progress_tracker import GlobalTrainingProgress, LocalTrainin
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
-FLOOR_S = 30.0  # how long a round's word that the swarm is ahead outweighs the progress records (`swarm_is_at`)
 READ_WAIT_S = 10.0  # the longest a round waits for a read of the swarm's progress after one that gave no update
 
 
@@ -62,7 +61,6 @@ class PacedTracker(ProgressTracker):
         # the epoch at which every other peer the round counts said its round is due (the last read), if any
         self._others_due_at: Optional[int] = None
         self._due_at: Optional[int] = None  # the epoch at which this node's round is due (`round_is_due`)
-        self._floor: tuple[int, float] = (-1, 0.0)  # the swarm's epoch at least, until when (`swarm_is_at`)
         # no round before this many reads of the swarm's progress, until when (`read_before_next_round`)
         self._reads, self._read_wait = 0, (0, 0.0)
         super().__init__(*args, **kwargs)
@@ -107,7 +105,6 @@ class PacedTracker(ProgressTracker):
             self._others_due_at = progress.epoch if due else None
         else:
             self._others_due_at = None
-        self._raised_to_floor(progress)
         self._reads += 1
         if self.round_due is not None and not self.round_due():
             progress.next_fetch_time = max(progress.next_fetch_time, get_dht_time() + self.between_rounds_s)
@@ -141,40 +138,6 @@ class PacedTracker(ProgressTracker):
         self._read_wait = (self._reads + 1, time.monotonic() + READ_WAIT_S)
         self.global_progress.next_fetch_time = get_dht_time()
         self.global_state_updated.set()
-
-    def read_now(self, timeout_s: float) -> bool:
-        """Read the swarm's progress now and wait (at most `timeout_s`) for the read; whether it came."""
-        wanted = self._reads + 1
-        self.global_progress.next_fetch_time = get_dht_time()
-        self.global_state_updated.set()
-        deadline = time.monotonic() + timeout_s
-        while self._reads < wanted and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return self._reads >= wanted
-
-    def swarm_is_at(self, epoch: int) -> None:
-        """A round showed that the swarm is at `epoch` at least (node.lowcomm.gather: the others averaged without
-        this peer): this peer's view of the swarm's progress, which may be seconds old, says so at once, so it
-        begins no round of its own epoch and catches up. The reads of the swarm's progress say so too until this
-        peer reached that epoch, for at most FLOOR_S: the others' records of their new epoch may not be in the DHT
-        yet, and a read of their old ones would have this peer begin a round nobody joins."""
-        self._floor = (epoch, time.monotonic() + FLOOR_S)
-        progress = self.global_progress
-        if epoch > progress.epoch:
-            progress.epoch, progress.samples_accumulated = epoch, 0
-        self._others_due_at = None
-        progress.next_fetch_time = get_dht_time()
-        self.global_state_updated.set()
-
-    def _raised_to_floor(self, progress: GlobalTrainingProgress) -> None:
-        epoch, until = self._floor
-        if epoch < 0:
-            return
-        if self.local_progress.epoch >= epoch or time.monotonic() >= until:
-            self._floor = (-1, 0.0)
-        elif progress.epoch < epoch:
-            progress.epoch, progress.samples_accumulated = epoch, 0
-            self._others_due_at = None
 
     @property
     def estimated_next_update_time(self) -> float:
