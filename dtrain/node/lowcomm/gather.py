@@ -21,7 +21,7 @@ that member then downloads the state (docs/low-communication.md, "What is left")
 
 The node and its averager's process share two unlinked files (`RoundFiles`, opened before the fork): the node
 writes there the payload it offers and its epoch (the payload is the one it built, so the averager does not encode
-`.grad` again), and the averager writes there each round's record, every averaged member's payload and weight
+`.grad` again), and the averager writes there each round's record, every member's payload and weight
 (node.lowcomm.record), which the node keeps in its round log once it applies that round's average.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ logger = get_logger(__name__)
 CHUNK_BYTES = 1 << 20  # payload bytes per stream message
 REGISTER_WAIT_S = 5.0  # how long a member waits for a round it has not begun yet when a peer's payload arrives
 HEADER = struct.Struct("<qQ")  # a member's epoch and its payload's length, before the payload on the wire and on file
-UNKNOWN_EPOCH = -1  # a member whose node handed no offer: it is taken to be at the group's epoch
+UNKNOWN_EPOCH = -1  # a member whose node handed no offer: its epoch is compared with no one's
 
 
 def framed(epoch: int, payload: bytes) -> bytes:
@@ -285,24 +285,24 @@ class SparseGatherAverager(CommittingGradientAverager):
             epochs, payloads = zip(*(unframed(round_.payloads[peer][1]) for peer in group_info.peer_ids))
         except ValueError as e:
             return gathered, f"a payload was refused: {e}"
-        members = [(peer, round_.payloads[peer][0], payload) for peer, payload in zip(group_info.peer_ids, payloads)]
+        weights = [round_.payloads[peer][0] for peer in group_info.peer_ids]
         known = {e for e in epochs if e != UNKNOWN_EPOCH}
         if len(known) > 1:
             logger.warning(f"A gradient round of members at epochs {sorted(known)} (this peer at {epoch}): a member "
                            f"behind makes an update the others do not")
         try:
-            decoded = (sparse.decode(payload, total, limit, quantized=True) for _, _, payload in members)
+            decoded = (sparse.decode(payload, total, limit, quantized=True) for payload in payloads)
             # straight into the round's tensors (the node's .grad): no flat copy of the model in this process. A
             # payload refused part-way leaves them half-written, in a round that is then aborted: nobody applies
             # them (the node writes its own gradient over them, node.swarm.optimizer)
-            sparse.average_into(decoded, [w for _, w, _ in members], tensors)
+            sparse.average_into(decoded, weights, tensors)
         except ValueError as e:
             return gathered, f"a payload was refused: {e}"
         try:  # the node logs it if it applies this round (node.lowcomm.roundlog.CatchUp)
-            self.round_files.write_record([(w, payload) for _, w, payload in members])
+            self.round_files.write_record(list(zip(weights, payloads)))
         except (OSError, record.BadRecord) as e:  # the round goes on; the node finds no record of it to log
             logger.warning(f"Could not write the round's record: {e!r}")
-        return {peer: gathered[peer] for peer, _, _ in members}, None
+        return gathered, None
 
     async def _call(self, peer: PeerID, group_id: bytes, round_: _Round) -> Optional[str]:
         """Swap payloads with `peer`: this member's out, the ones `peer` answers with in; why not, if it failed.
