@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -40,6 +41,7 @@ from openai import OpenAI
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "tiny.json"
 READY = "Join it from another machine with"
+START_TIMEOUT_S = 60.0  # a node starts in seconds; one that does not hangs somewhere its stacks show
 # one GPT-2 token each with the leading space the prompt's " ->" is followed by
 WORDS = ("cat", "dog", "red", "sun", "map", "box", "hat", "pen")
 
@@ -77,11 +79,16 @@ def start_node(args, work: Path) -> tuple[subprocess.Popen, str, Path]:
            "--log-level", "INFO"]
     log = work / "node.log"
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + START_TIMEOUT_S
     while READY not in log.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the node exited with {proc.returncode}; its log:\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            proc.send_signal(signal.SIGUSR1)  # the node writes every thread's stack into its log (dtrain.cli)
+            time.sleep(1.0)
             proc.kill()
-            raise SystemExit(f"the node did not start; its log:\n{log.read_text()[-3000:]}")
+            raise SystemExit(f"the node did not start within {START_TIMEOUT_S:.0f} s; its log ends with every "
+                             f"thread's stack:\n{log.read_text()[-12000:]}")
         time.sleep(0.5)
     return proc, f"http://127.0.0.1:{port}", db
 
