@@ -147,29 +147,42 @@ def test_ranges_of_different_epochs_assemble_into_the_newest_state():
         stale.add(stale.ranges[0], piece_of(states, 1, ranges.Range(0, 95)))
 
 
-def test_a_donor_answers_a_bad_request_with_nothing_and_a_held_copy_is_one_epochs():
+def test_a_donor_serves_one_epochs_momentum_in_place_and_answers_a_bad_request_with_nothing():
     g = torch.Generator().manual_seed(1)
     params = [torch.randn(n, generator=g).numpy() for n in (70_000, 3, 130_000, 1_000)]
     momentum = [torch.randn(len(p), generator=g) for p in params]
     total = sum(len(p) for p in params)
-    donor = statefetch.RangeDonor(total)
+    version = [0]  # the outer optimizer's (OuterNesterov.version): odd while a step writes the momentum
+    donor = statefetch.RangeDonor(total, version=lambda: version[0], hold_wait_s=0.5)
 
-    async def answer(raw: bytes) -> bytes:
+    async def answer(raw: bytes, meanwhile=None) -> bytes:
         out = b""
+        if meanwhile is not None:
+            asyncio.get_running_loop().call_later(0.1, meanwhile)
         async for message in donor.serve(wrappers_pb2.BytesValue(value=raw), SimpleNamespace(remote_id="a peer")):
             out += message.value
         return out
 
     r = ranges.Range(69_990, 20)  # across the first two tensors and into the third
-    assert asyncio.run(answer(ranges.encode_request(r))) == b""  # nothing held yet
+    request = ranges.encode_request(r)
+    assert asyncio.run(answer(request)) == b""  # nothing held yet
     donor.hold(1, params, momentum)
-    held = momentum[0][-10:].clone()
-    momentum[0].add_(1.0)  # the node's next outer step: the held copy stays the epoch's
-    piece = ranges.decode_piece(asyncio.run(answer(ranges.encode_request(r))), r, 1, 1)
-    flat_p = np.concatenate(params)
+    piece = ranges.decode_piece(asyncio.run(answer(request)), r, 1, 1)
+    flat_p, flat_m = np.concatenate(params), torch.cat(momentum).numpy()
     assert np.array_equal(piece.params, flat_p[r.offset:r.end])
-    assert np.array_equal(piece.momentum[:10], held.numpy())
+    assert np.array_equal(piece.momentum, flat_m[r.offset:r.end])
+
+    version[0] += 1  # the node's next outer step moves the momentum in place...
+    momentum[0].add_(1.0)
+    version[0] += 1
+    assert asyncio.run(answer(request)) == b""  # ...so it is no longer epoch 1's, and no epoch 2 came in time
+    moved = torch.cat(momentum).numpy()
+    assert not np.array_equal(moved[r.offset:r.end], flat_m[r.offset:r.end])
+    # a request that arrives before the next snapshot is published is answered with that epoch's range
+    piece = ranges.decode_piece(asyncio.run(answer(request, lambda: donor.hold(2, params, momentum))), r, 2, 2)
+    assert piece.epoch == 2 and np.array_equal(piece.momentum, moved[r.offset:r.end])
+
     for bad in (ranges.encode_request(ranges.Range(total - 5, 10)), b"\0" * 3):
         assert asyncio.run(answer(bad)) == b""
     with pytest.raises(ValueError):
-        donor.hold(2, params[:-1], momentum)
+        donor.hold(3, params[:-1], momentum)

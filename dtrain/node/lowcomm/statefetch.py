@@ -1,10 +1,12 @@
 """A joiner's first download of a sparse swarm's state, spread over several donors and resumable
 (docs/low-communication.md, "Joining from several donors"); `--state-donors N`.
 
-Donor: `RangeDonor` holds a copy of the state it serves (the snapshot's parameters, which are immutable, and a copy
-of the outer momentum taken when the snapshot is published, so an answer is one epoch's bytes even while the node's
-next outer step rewrites the momentum) and answers RANGE_HANDLER requests for ranges of it (node.lowcomm.ranges),
-gated by the swarm key like the node's other RPCs.
+Donor: `RangeDonor` answers RANGE_HANDLER requests for ranges (node.lowcomm.ranges) of the state it serves, gated by
+the swarm key like the node's other RPCs: the parameters of the published snapshot (immutable) and the outer
+momentum of the same epoch, read from the optimizer's own tensors, with no copy of them. The outer optimizer's
+version (lowcomm.outer.OuterNesterov.version) says when the momentum is still that epoch's: a range copied between
+two reads of the same even version, the one of the snapshot's publication, is one epoch's bytes. Once the next outer
+step (or a download) has moved it, an answer waits for the next published snapshot and serves that epoch's range.
 
 Joiner: `SpreadDownload` asks up to N peers that serve the swarm's epoch for different ranges at once (IN_FLIGHT
 requests each); a donor that fails, answers wrong or takes longer than RANGE_TIMEOUT_S for a range is dropped and its
@@ -40,6 +42,8 @@ RANGE_HANDLER = "dtrain.lowcomm.state_range"
 CHUNK_BYTES = 1 << 18  # one message of an answer's stream
 IN_FLIGHT = 3  # requests a joiner keeps open with each donor: a home link's round trip stays hidden
 RANGE_TIMEOUT_S = 30.0  # one range (512 KiB) at well under 1 Mbit/s: a donor slower than that loses its ranges
+HOLD_WAIT_S = 10.0  # a donor's answer waits this long for the next epoch's snapshot once the momentum moved on
+HOLD_POLL_S = 0.1
 PASS_PAUSE_S = 1.0  # between two passes, when every donor of a pass failed
 RECORD_WAIT_S = 10.0  # for the peers' records of the epoch the pieces are of
 POLL_S = 2.0  # the joiner's thread looks at a pass this often (to keep announcing itself)
@@ -50,7 +54,8 @@ class Held(NamedTuple):
     epoch: int
     params: tuple[np.ndarray, ...]  # per tensor, flat float32 (a snapshot's immutable copies)
     starts: tuple[int, ...]  # each tensor's first element in the flat order
-    momentum: np.ndarray  # flat float32, a copy
+    momentum: tuple[np.ndarray, ...]  # per tensor, flat float32: views of the outer optimizer's live tensors
+    version: int  # the outer optimizer's version while `momentum` is this epoch's
 
 
 def _slice(arrays: Sequence[np.ndarray], starts: Sequence[int], r: ranges.Range) -> np.ndarray:
@@ -67,40 +72,55 @@ class RangeDonor:
     """Serves ranges of the state this node serves (see the module docstring); `hold` runs on the training thread
     after every published snapshot, the answers on the node service's loop."""
 
-    def __init__(self, total: int, service=None, serve_mbit: float = 0.0):
+    def __init__(self, total: int, service=None, serve_mbit: float = 0.0, version: Callable[[], int] = lambda: 0,
+                 hold_wait_s: float = HOLD_WAIT_S):
         """`service`: the node's node.swarm.service.NodeService, which then serves `serve` as RANGE_HANDLER (gated
-        by the swarm key). `serve_mbit`: the bound on the bytes it streams, all requests together (0: none)."""
+        by the swarm key). `serve_mbit`: the bound on the bytes it streams, all requests together (0: none).
+        `version`: the outer optimizer's version (OuterNesterov.version), even while nothing writes its momentum."""
         self._total = total
         self._pace = UploadPace(serve_mbit)
-        self._held: Optional[Held] = None  # replaced whole, never changed: an answer reads one epoch's copy
+        self._version, self._hold_wait_s = version, hold_wait_s
+        self._held: Optional[Held] = None  # replaced whole, never changed
         self.answered = 0  # ranges served
         if service is not None:
             service.add_handler(RANGE_HANDLER, self.serve, wrappers_pb2.BytesValue, stream_output=True)
 
     def hold(self, epoch: int, params: Sequence[np.ndarray], momentum: Sequence[torch.Tensor]) -> None:
+        """Serve epoch `epoch`: `params` are its snapshot's arrays, `momentum` the outer optimizer's tensors, which
+        hold this epoch's momentum now (they are read in place, never copied)."""
         starts = tuple(np.cumsum([0] + [len(a) for a in params[:-1]]).tolist())
-        with torch.no_grad():
-            flat_momentum = torch.cat([m.detach().reshape(-1) for m in momentum]).numpy()
-        if sum(len(a) for a in params) != self._total or len(flat_momentum) != self._total:
-            raise ValueError(f"a state of {sum(len(a) for a in params)} parameters and {len(flat_momentum)} momentum "
-                             f"values, not {self._total}")
-        self._held = Held(epoch, tuple(params), starts, flat_momentum)
+        flat_momentum = tuple(m.detach().reshape(-1).numpy() for m in momentum)
+        if sum(len(a) for a in params) != self._total or sum(len(m) for m in flat_momentum) != self._total:
+            raise ValueError(f"a state of {sum(len(a) for a in params)} parameters and "
+                             f"{sum(len(m) for m in flat_momentum)} momentum values, not {self._total}")
+        self._held = Held(epoch, tuple(params), starts, flat_momentum, self._version())
 
     def drop(self) -> None:
         self._held = None
 
+    def piece(self, r: ranges.Range) -> Optional[ranges.Piece]:
+        """Range `r` of the epoch held, while the momentum is still that epoch's; else None."""
+        held = self._held
+        if held is None or held.version % 2 or self._version() != held.version:
+            return None
+        momentum = _slice(held.momentum, held.starts, r).copy()
+        if self._version() != held.version:  # an outer step began while it was copied
+            return None
+        return ranges.Piece(held.epoch, _slice(held.params, held.starts, r), momentum)
+
     async def serve(self, request: wrappers_pb2.BytesValue,
                      context: P2PContext) -> AsyncIterator[wrappers_pb2.BytesValue]:
-        held = self._held
         try:
             r = ranges.parse_request(request.value, self._total)
         except ranges.BadRange as e:
             logger.debug(f"Refused a range request from {context.remote_id}: {e}")
             return
-        if held is None:  # nothing to serve (yet): an empty answer
-            return
-        data = ranges.encode_piece(r, ranges.Piece(held.epoch, _slice(held.params, held.starts, r),
-                                                   held.momentum[r.offset:r.end]))
+        deadline = time.monotonic() + self._hold_wait_s
+        while (piece := self.piece(r)) is None:  # nothing held yet, or the momentum moved: the next epoch's snapshot
+            if time.monotonic() >= deadline:
+                return  # an empty answer: the joiner asks another donor
+            await asyncio.sleep(HOLD_POLL_S)
+        data = ranges.encode_piece(r, piece)
         self.answered += 1
         for i in range(0, len(data), CHUNK_BYTES):
             chunk = data[i:i + CHUNK_BYTES]
@@ -295,7 +315,8 @@ class SpreadDownload:
             logger.info(f"No peer publishes its bytes for epoch {epoch}: nothing to check the ranges against")
             return False
         momentum = [self._outer.state[p]["momentum_buffer"] for p in self._params]
-        self.assembly.load_into(self._params, momentum)
+        with self._outer.writing():  # a range donor reading them sees them move
+            self.assembly.load_into(self._params, momentum)
         digest = params_digest(self._model)
         if not (digest == found[1].digest if found is not None else self._agreement.is_epoch_zero(digest)):
             logger.warning(f"The ranges assembled for epoch {epoch} are not the bytes the peers publish")

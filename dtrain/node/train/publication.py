@@ -119,7 +119,7 @@ class StepPublisher:
         self.snapshot = snap
         self.background.log_norm(snap)
         averager = self.swarm.optimizer.state_averager
-        if self.donor is not None:  # the outer momentum of this epoch, copied before the next outer step moves it
+        if self.donor is not None:  # this epoch's state: the snapshot and, until the next outer step, the momentum
             momentum = [averager.optimizer.state[p]["momentum_buffer"] for p in self.model.parameters()]
             self.donor.hold(snap.updates, snap.f32, momentum)
         if self.low_comm:

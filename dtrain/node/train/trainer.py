@@ -336,7 +336,9 @@ class TrainingNode:
                                       published=self._served_f32, min_round_s=self._min_round_s(), trained=trained)
             if fraction is not None and cfg.swarm.state_donors > 0 and not swarm.client_mode:
                 # nobody can dial a client-mode peer
-                self.donor = RangeDonor(self.total_params, swarm.service, cfg.swarm.serve_state_mbit)
+                outer = opt.state_averager.optimizer
+                self.donor = RangeDonor(self.total_params, swarm.service, cfg.swarm.serve_state_mbit,
+                                        version=lambda: outer.version)
         self.publisher = StepPublisher(self.model, swarm, self.agreement, self.gradient, self.pool, self.low_comm,
                                        donor=self.donor, losses=self._losses)
         for callback in self._snapshot_listeners:
