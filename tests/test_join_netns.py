@@ -3,8 +3,8 @@
 A founds a sparse low-communication swarm and trains; B joins over a shaped link and downloads the state while A goes
 on; B trains with A, is killed (SIGKILL) and comes back with the same identity while its progress record of before is
 still in the DHT (it lives a minute), downloading again. B's leaving may cost A the one round that looks for B's
-gradient (hivemind's "could not find a group"), no more. During each of B's downloads (from its log's "Downloading the
-state from peer" to "Downloaded the state"), A's own log and polled status must show updates, and A must not have
+gradient (hivemind's "could not find a group"), no more. During each of B's downloads (from its log's "Downloading ...
+ranges of the state" to "Downloaded the state"), A's own log and polled status must show updates, and A must not have
 looked for a group that never formed (its round counting B as a member while B downloaded). B, back, must serve A's
 bytes and average a round with it.
 """
@@ -30,8 +30,9 @@ INNER = 4
 # member that never comes (B, killed) waits out --averaging-timeout: half the default, three times the matchmaking
 TIMEOUTS = ["--matchmaking-time", "5", "--request-timeout", "3", "--averaging-timeout", "15"]
 STAMP = re.compile(r"^(\w{3} +\d+ \d\d:\d\d:\d\d\.\d{3}) ")
-BEGIN = re.compile(r"Downloading the state from peer")
-END = re.compile(r"Downloaded the state from \S+ in|The download from \S+ failed")
+# a download in ranges from every peer that serves the state (the default, node.lowcomm.statefetch), or from one
+BEGIN = re.compile(r"Downloading \d+ ranges of the state|Downloading the state from peer")
+END = re.compile(r"Downloaded the state (of epoch \d+ in ranges|from \S+) |The download from \S+ failed")
 UPDATE = re.compile(r"\] update (\d+): ")
 NO_GROUP = re.compile(r"Gradient averaging failed \(.*could not find a group")  # the node's line, one per round
 TOGETHER = re.compile(r"\] update (\d+): .* 2 peers, ")  # an update of a round that averaged two peers

@@ -3,8 +3,8 @@
 - B joins A at epoch 0 (both wait for each other before they train): its own seeded state is the swarm's start, so
   it takes no download and serves A's bytes.
 - C, a home node, joins over a slow link and catches up by replaying rounds (node.lowcomm.roundlog): its state
-  download takes longer than the swarm's rounds, so it ends rounds behind; it collects the records of those rounds
-  while it downloads, computes the swarm's state of the current epoch exactly from them, and trains with the
+  download from one peer (--state-donors 0) takes longer than the swarm's rounds, so it ends rounds behind; it
+  collects the records of those rounds while it downloads, computes the swarm's state of the current epoch exactly from them, and trains with the
   others, every node serving the same bytes for the same step.
 - D joins with --state-donors 2 and downloads the state in ranges from A and B at once (node.lowcomm.statefetch);
   B is killed in the middle of it, D finishes from A and serves the swarm's bytes without hivemind's download from
@@ -83,7 +83,7 @@ def test_joiners_take_the_start_as_built_catch_up_by_replay_and_download_ranges_
             assert b.digests()[1] == a.digests()[1]
             wait_until(lambda: min(n.status()["updates"] for n in nodes) >= 2, 120, "two rounds of A and B", 0.5)
 
-            c = start("C", args, peers)
+            c = start("C", [*args, "--state-donors", "0"], peers)  # one peer's download, rounds collected meanwhile
             c.wait_ready(240)
             assert c.status()["reachability"]["mode"] == "client", c.status()["reachability"]
             assert c.status()["first_state"] == "download"  # the swarm was past its start

@@ -145,11 +145,11 @@ class SwarmConfig:
                               "uplink); the all-reduce deadline grows to fit its bytes at this rate or the measured "
                               "one, whichever is slower (0: the measured one only)")
     # a joiner's first download (docs/low-communication.md, "Joining from several donors"): in ranges from several
-    # donors at once, resumed when one fails; every node then also serves ranges of its state
-    state_donors: int = option(0, "--state-donors", "low-comm, sparse codec: a joiner downloads the state in ranges "
+    # donors at once, resumed when one fails; every node then also serves ranges of its state (in place: no copy)
+    state_donors: int = option(3, "--state-donors", "low-comm, sparse codec: a joiner downloads the state in ranges "
                                "from up to this many peers at once, and a donor that fails loses its ranges to the "
-                               "others; the node serves ranges of its state too (a copy of the outer momentum, 4 "
-                               "bytes per parameter) (0: one peer, through hivemind's download)")
+                               "others; the node serves ranges of its state too (0: one peer, through hivemind's "
+                               "download, and the node serves no ranges)")
 
     # a donor's bound on the state it serves to downloading peers, so that its own rounds and records keep flowing
     serve_state_mbit: float = option(0.0, "--serve-state-mbit", "Mbit/s this node streams its state to downloading "
