@@ -1,6 +1,6 @@
-"""A round's group closes when the peers it expects are in it (node.swarm.groupsize), on two real hivemind gradient
-averagers with the commit step on 127.0.0.1. Member i holds the gradient i + 1 everywhere, so a result of 1.5 is the
-average of both."""
+"""A round's group closes when the peers it expects are in it, and holds peers at one epoch (node.swarm.groupsize), on
+two real hivemind gradient averagers with the commit step on 127.0.0.1. Member i holds the gradient i + 1
+everywhere, so a result of 1.5 is the average of both."""
 from __future__ import annotations
 
 import time
@@ -20,10 +20,14 @@ OPTS = dict(min_matchmaking_time=MATCHMAKING_S, allreduce_timeout=10.0, next_chu
 STEP_TIMEOUT_S = 20.0
 
 
+EPOCHS = [7, 7]  # each member's epoch, read when it schedules a round (SwarmOptimizer passes its local epoch)
+
+
 @pytest.fixture(scope="module")
 def pair():
     grads = [torch.full((1000,), float(i + 1)) for i in range(2)]
-    factory = lambda i, owner: partial(CommittingGradientAverager, record_subkey=owner.subkey)
+    factory = lambda i, owner: partial(CommittingGradientAverager, record_subkey=owner.subkey,
+                                       round_epoch=lambda: EPOCHS[i])
     with averagers(factory, grads=grads, **OPTS) as members:
         yield members
 
@@ -55,3 +59,19 @@ def test_the_group_closes_when_every_expected_peer_is_in_it(pair):
 def test_a_group_that_expected_more_peers_closes_at_its_time_with_those_who_came(pair):
     took = timed_round(pair, expect=3)
     assert took >= MATCHMAKING_S - 1.5, f"a group of 2 that expected 3 closed after {took:.1f}s"
+
+
+def test_peers_at_different_epochs_find_no_group_and_at_one_epoch_average(pair):
+    EPOCHS[:] = [7, 8]  # member 0 one epoch behind: it would apply the others' gradient to its older parameters
+    for _, averager in pair:
+        averager.expect_group(2)
+        averager.accumulate_grads_(batch_size=1)
+    controls = [averager.step(wait=False, timeout=MATCHMAKING_S + 2, allow_retries=False) for _, averager in pair]
+    for i, control in enumerate(controls):
+        with pytest.raises(Exception, match="could not find a group"):
+            control.result(2 * STEP_TIMEOUT_S)
+    EPOCHS[:] = [8, 8]
+    try:
+        timed_round(pair, expect=2)  # the same two peers, at one epoch: the average of both
+    finally:
+        EPOCHS[:] = [7, 7]

@@ -34,7 +34,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
 
 from dtrain.node.swarm.deadlines import Retimable
-from dtrain.node.swarm.groupsize import ExpectedGroup
+from dtrain.node.swarm.groupsize import ExpectedGroup, SameEpochGroup
 from dtrain.node.swarm.keygate import KeyGatedServicer
 from dtrain.node.swarm.records import by_peer
 
@@ -108,7 +108,7 @@ def record_key(prefix: str, group_id: bytes) -> str:
     return f"{prefix}_commit_{group_id.hex()}"
 
 
-class CommittingGradientAverager(Retimable, ExpectedGroup, KeyGatedServicer, GradientAverager):
+class CommittingGradientAverager(Retimable, SameEpochGroup, ExpectedGroup, KeyGatedServicer, GradientAverager):
     """hivemind's GradientAverager with the commit step: its round returns the gathered data when every member's
     all-reduce was complete, else an `AbortedRound` (never an exception, so hivemind does not retry a round with
     tensors a failed attempt has half averaged).
@@ -117,7 +117,8 @@ class CommittingGradientAverager(Retimable, ExpectedGroup, KeyGatedServicer, Gra
     outcome with the peer's identity, so no member can say complete (or incomplete) for another. With `swarm_key`
     (a closed swarm) its RPCs answer only peers that prove the key (node.swarm.keygate). `exchanges` times each
     committed round's exchange; its deadline can change between rounds (node.swarm.deadlines.Retimable), and so can
-    the number of members its group closes at (node.swarm.groupsize.ExpectedGroup).
+    the number of members its group closes at (node.swarm.groupsize.ExpectedGroup), and its groups hold peers at one
+    epoch (SameEpochGroup).
     """
 
     def __init__(self, *args, record_subkey: bytes, **kwargs):

@@ -12,10 +12,20 @@ no group; it carries its gradient into the next round, as any peer that came lat
 samples to a low-comm round sets a target (node.swarm.optimizer.SwarmOptimizer._expect_group): full peers that join
 only for client-mode peers' samples never close a group among themselves, which would be a round of no samples at all,
 and per-step rounds keep their window, in which packets that reach other nodes join the same update.
+
+A group also holds only peers at one epoch (`SameEpochGroup`). hivemind matches any peers that look for a group at
+the same time, whatever epoch each is at, so a joiner that arrived just before the others' update joined their next
+round one epoch behind: its update then differed from theirs, and because the group closed at the count the
+leader expected, a peer at the right epoch was left out of it and updated alone (the churn bench, 20 Mbit/s).
+Each gradient round now carries its peer's epoch in hivemind's gather data, and a leader turns away a follower at
+another epoch; the peer behind finds no group, as any peer late to a round, and catches up.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
+
+from hivemind.proto import averaging_pb2
+from hivemind.utils.serializer import MSGPackSerializer
 
 
 class ExpectedGroup:
@@ -34,3 +44,50 @@ class ExpectedGroup:
 
     async def _expect_group(self, size: Optional[int]) -> None:
         self._matchmaking.target_group_size = size
+
+
+def epoch_of(data_for_gather: bytes) -> Optional[int]:
+    """The epoch a peer's gradient round carries (hivemind's data for gather: bandwidth, mode, the user's bytes);
+    None when it carries none."""
+    try:
+        _, _, user = MSGPackSerializer.loads(data_for_gather)
+        epoch = MSGPackSerializer.loads(user)
+    except Exception:
+        return None
+    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
+
+
+class SameEpochGroup:
+    """A hivemind gradient averager whose groups hold peers at one epoch (see the module docstring). `round_epoch`
+    is the epoch of the peer's next round, read when the round is scheduled (the optimizer's local epoch)."""
+
+    def __init__(self, *args, round_epoch: Callable[[], Optional[int]] = lambda: None, **kwargs):
+        self._round_epoch = round_epoch
+        super().__init__(*args, **kwargs)
+
+    def schedule_step(self, scheduled_time=None, **kwargs):
+        if kwargs.get("gather") is None:
+            kwargs["gather"] = self._round_epoch()
+        return super().schedule_step(scheduled_time, **kwargs)
+
+    async def _step(self, **kwargs):
+        matchmaking = self._matchmaking
+        if not getattr(matchmaking, "same_epoch_only", False):  # hivemind makes it in the averager's process
+            checks = matchmaking._check_reasons_to_reject
+
+            def check(request, context):
+                return checks(request, context) or other_epoch(matchmaking.step_control, request)
+
+            matchmaking._check_reasons_to_reject, matchmaking.same_epoch_only = check, True
+        return await super()._step(**kwargs)
+
+
+def other_epoch(leading, request) -> Optional[averaging_pb2.MessageFromLeader]:
+    """A leader's answer to a follower whose round is at another epoch than its own (`leading`: the leader's
+    StepControl); None when both are at one epoch, or either carries none."""
+    if leading is None:
+        return None
+    ours, theirs = epoch_of(leading.data_for_gather), epoch_of(request.gather)
+    if ours is None or theirs is None or ours == theirs:
+        return None
+    return averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_ID)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Mapping, Optional, Sequence
 
 import hivemind
@@ -92,6 +93,9 @@ class SwarmOptimizer(hivemind.Optimizer):
         # each gradient round's measured exchange (or its running out of time) sets the next one's deadline
         self.round_clock: Optional[RoundClock] = None
         self._exchanges_seen = 0
+        if kwargs.get("grad_averager_factory") is not None:  # its groups hold peers at this peer's epoch
+            kwargs["grad_averager_factory"] = partial(kwargs["grad_averager_factory"],
+                                                      round_epoch=lambda: self.local_epoch)
         super().__init__(**kwargs)
 
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
