@@ -8,17 +8,18 @@ the nodes' logs and the hosts' counters, and printed as two markdown tables.
 """
 from __future__ import annotations
 
+import contextlib
 import re
-import subprocess
 import tempfile
-import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
 from bench.wan_nodes import NODE_TIMEOUTS, check_alive, status, stop_nodes
 from tests.netns import Net
 from tests.nodeproc import NodeProcess, new_run_id, wait_until
+from tests.sampler import Sampler
 
 STAMP = re.compile(r"^(\w{3} +\d+ \d\d:\d\d:\d\d\.\d{3}) ")
 HIVEMIND_DOWNLOAD = re.compile(r"Downloaded the state from \S+ in ([\d.]+)s")
@@ -56,34 +57,9 @@ def first_stamp(output: str, pattern: re.Pattern, after: float = 0.0) -> Optiona
     return None
 
 
-class RxWatch:
-    """Bytes each host received, sampled every second: (time, rx_bytes) per host."""
-
-    def __init__(self, hosts):
-        self.hosts, self.samples = hosts, {h.ns: [] for h in hosts}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(1.0):
-            for h in self.hosts:
-                try:
-                    rx = int(h.run(["cat", "/sys/class/net/eth0/statistics/rx_bytes"]).stdout.strip())
-                except (subprocess.SubprocessError, ValueError, OSError):
-                    continue
-                self.samples[h.ns].append((time.time(), rx))
-
-    def between(self, host, start: float, end: float) -> int:
-        inside = [rx for t, rx in self.samples[host.ns] if start <= t <= end]
-        return inside[-1] - inside[0] if len(inside) >= 2 else 0
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(10)
+def rx_bytes(host) -> int:
+    """Bytes `host` has received on its link."""
+    return int(host.run(["cat", "/sys/class/net/eth0/statistics/rx_bytes"]).stdout.strip())
 
 
 def churn(rate, args, paths: list[Path]) -> dict:
@@ -130,7 +106,8 @@ def churn(rate, args, paths: list[Path]) -> dict:
             wait_until(lambda: status(a)["updates"] >= 1, 300, "A's first update", 1.0)
             poll()
             window_start, base = time.time(), sum(applied.values())
-            with RxWatch(hosts) as rx:
+            with contextlib.ExitStack() as stack:  # each host's received bytes, every second
+                rx = {h.ns: stack.enter_context(Sampler(partial(rx_bytes, h), 1.0)) for h in hosts}
                 b = start(1, "B")
                 joins.append(b)
                 b.wait_ready(args.join_timeout)
@@ -166,7 +143,7 @@ def churn(rate, args, paths: list[Path]) -> dict:
                     rows.append(dict(node=node.name, join_s=end - node.started, downloads=len(downloads),
                                      download_s=sum(downloads), replay_s=sum(replays), ready_s=ready - node.started,
                                      first_round_s=end - ready,
-                                     state_mb=rx.between(node.host, node.started, end) / 1e6,
+                                     state_mb=rx[node.host.ns].increase(node.started, end) / 1e6,
                                      founder_updates=len(lines_between(a_out, UPDATE_LINE, node.started, end))))
             a_gave_up = len(lines_between(a_out, re.compile(r"could not find a group"), window_start, time.time()))
             return dict(rate="unlimited" if rate is None else f"{rate:g}", samples_per_s=samples / elapsed,

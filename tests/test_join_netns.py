@@ -11,7 +11,6 @@ bytes and average a round with it.
 from __future__ import annotations
 
 import re
-import threading
 import time
 from datetime import datetime
 
@@ -19,6 +18,7 @@ import pytest
 
 from tests import netns
 from tests.nodeproc import TINY_CONFIG, maddrs_on, new_run_id, shown_on_failure, start_in, wait_until
+from tests.sampler import Sampler
 
 REASON = netns.unavailable_reason()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(REASON is not None,
@@ -61,33 +61,6 @@ def stamped(output: str, pattern: re.Pattern) -> list[float]:
     return [stamp(line) for line in output.splitlines() if pattern.search(line)]
 
 
-class StatusLog:
-    """The founder's status, polled every half second from a thread of this process: (time, updates)."""
-
-    def __init__(self, node):
-        self.node, self.samples, self._stop = node, [], threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.5):
-            try:
-                self.samples.append((time.time(), int(self.node.status()["updates"])))
-            except (OSError, TimeoutError, ValueError, KeyError):
-                continue
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(10)
-
-    def updates_within(self, start: float, end: float) -> int:
-        inside = [u for t, u in self.samples if start <= t <= end]
-        return inside[-1] - inside[0] if len(inside) >= 2 else 0
-
-
 @pytest.mark.timeout(600)
 def test_the_founder_keeps_training_while_a_joiner_downloads_and_when_it_comes_back(tmp_path):
     text = tmp_path / "train.txt"
@@ -106,7 +79,7 @@ def test_the_founder_keeps_training_while_a_joiner_downloads_and_when_it_comes_b
             a.wait_ready()
             peers = maddrs_on(a, hosts["A"])
             wait_until(lambda: a.status()["updates"] >= 2, 120, "A's first updates", 0.5)
-            with StatusLog(a) as polled:
+            with Sampler(lambda: a.status()["updates"], 0.5) as polled:  # the founder's, from this process
                 b = start_in(hosts["B"], "B", b_args, run_id, peers)
                 nodes.append(b)
                 b.wait_ready(240)
@@ -136,7 +109,7 @@ def test_the_founder_keeps_training_while_a_joiner_downloads_and_when_it_comes_b
             assert timed, f"no download of {MIN_WINDOW_S:g}s or more: {downloads}"
             for start, end in timed:
                 in_log = sum(1 for t in a_updates if start <= t <= end)
-                in_status = polled.updates_within(start, end)
+                in_status = polled.increase(start, end)
                 waited = [t for t in a_no_group if start <= t <= end]
                 assert in_log >= 1 and in_status >= 1, (
                     f"A made {in_log} updates (log) / {in_status} (status) during B's {end - start:.0f}s download")

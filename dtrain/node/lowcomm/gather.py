@@ -15,9 +15,8 @@ or nothing: a member says complete only if it holds every member's payload, chec
 before use.
 
 Every member sends its epoch with its payload (the epoch of the anchor its pseudo-gradient is from) and its
-length, and every payload is averaged. A round whose members are at different epochs (one read the swarm's progress
-just before the others' update) is logged: the update it makes on the member behind differs from the others', and
-that member then downloads the state (docs/low-communication.md, "What is left").
+length, and every payload is averaged. A group holds members at one epoch (node.swarm.groupsize.SameEpochGroup); a
+round whose payloads name different epochs all the same is logged.
 
 The node and its averager's process share two unlinked files (`RoundFiles`, opened before the fork): the node
 writes there the payload it offers and its epoch (the payload is the one it built, so the averager does not encode

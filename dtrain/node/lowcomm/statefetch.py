@@ -95,9 +95,6 @@ class RangeDonor:
                              f"{sum(len(m) for m in flat_momentum)} momentum values, not {self._total}")
         self._held = Held(epoch, tuple(params), starts, flat_momentum, self._version())
 
-    def drop(self) -> None:
-        self._held = None
-
     def piece(self, r: ranges.Range) -> Optional[ranges.Piece]:
         """Range `r` of the epoch held, while the momentum is still that epoch's; else None."""
         held = self._held
