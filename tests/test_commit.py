@@ -117,9 +117,10 @@ def averagers(factory, grads=None, **opts):
             dht.shutdown()
 
 
-def run_round(members, freeze=False, until_the_others_end=False):
+def run_round(members, freeze=False, until_the_others_end=False, weight=None):
     """One gradient round; with `freeze`, the last member stops inside the all-reduce for FROZEN_S, or, with
-    `until_the_others_end`, until every other member's round has ended.
+    `until_the_others_end`, until every other member's round has ended; `weight`: every member's (by default its
+    samples, 1).
 
     Returns each member's (round result or exception, the distinct values of the average it was handed).
     """
@@ -128,7 +129,8 @@ def run_round(members, freeze=False, until_the_others_end=False):
     victim = members[-1][1]
     if freeze:
         victim.freeze.value = True
-    controls = [averager.step(wait=False, timeout=STEP_TIMEOUT_S, allow_retries=False) for _, averager in members]
+    controls = [averager.step(wait=False, timeout=STEP_TIMEOUT_S, allow_retries=False, weight=weight)
+                for _, averager in members]
     if freeze:
         deadline = time.monotonic() + STEP_TIMEOUT_S
         try:
@@ -179,6 +181,16 @@ def test_a_complete_round_is_applied_by_every_member_as_the_average_of_all(commi
 def test_a_member_frozen_mid_round_aborts_the_round_on_every_member(committing):
     assert_aborted_everywhere(run_round(committing, freeze=True, until_the_others_end=True))
     # and the group goes on: the next round is complete again
+    test_a_complete_round_is_applied_by_every_member_as_the_average_of_all(committing)
+
+
+def test_a_round_whose_members_brought_no_samples_is_aborted_on_every_member(committing):
+    """Full peers that joined a round for client-mode peers' samples and found only each other: weights of 0, which
+    hivemind's reducers divide by. Nobody applies the NaN average (nor makes an update of its own: the optimizer's
+    rule for a peer with no samples), and the next round is complete again."""
+    outcomes = run_round(committing, weight=0.0)
+    assert all(isinstance(result, AbortedRound) and "not finite" in result.reason for result, _ in outcomes), \
+        [result for result, _ in outcomes]
     test_a_complete_round_is_applied_by_every_member_as_the_average_of_all(committing)
 
 

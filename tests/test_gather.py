@@ -13,6 +13,7 @@ import torch
 
 from dtrain.node.lowcomm import record, sparse
 from dtrain.node.lowcomm.gather import SparseGatherAverager
+from dtrain.node.swarm.commit import AbortedRound
 from tests.test_commit import applied, averagers
 
 pytestmark = pytest.mark.swarm
@@ -30,11 +31,12 @@ def members(client_mode):
                      target_group_size=len(client_mode), min_group_size=len(client_mode), **OPTS)
 
 
-def run(group):
-    """One round of every member: (its result, its .grad after the round, its round file's record)."""
+def run(group, weight=None):
+    """One round of every member: (its result, its .grad after the round, its round file's record). `weight`: every
+    member's (by default its samples, 1)."""
     for _, averager in group:
         averager.accumulate_grads_(batch_size=1)
-    controls = [averager.step(wait=False, timeout=30.0, allow_retries=False) for _, averager in group]
+    controls = [averager.step(wait=False, timeout=30.0, allow_retries=False, weight=weight) for _, averager in group]
     outcomes = []
     for control, (param, averager) in zip(controls, group):
         result = control.result(60.0)
@@ -82,3 +84,12 @@ def test_a_round_with_client_mode_members_ends_with_the_same_bits_on_every_membe
     out = torch.empty(ELEMENTS)
     record.average_into(records[0], members_of, [out], ELEMENTS, limit)
     assert out.numpy().tobytes() == first
+
+
+def test_a_round_whose_members_brought_no_samples_is_aborted_on_every_member():
+    """Full peers that joined for client-mode peers' samples and found only each other: the average of weights 0
+    would be a zero gradient, an update (the outer step's momentum) that no samples asked for."""
+    with members([False, False]) as group:
+        outcomes = run(group, weight=0.0)
+    assert all(isinstance(result, AbortedRound) and "no samples" in result.reason for result, _, _ in outcomes), \
+        [result for result, _, _ in outcomes]

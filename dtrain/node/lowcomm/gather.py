@@ -285,6 +285,8 @@ class SparseGatherAverager(CommittingGradientAverager):
         except ValueError as e:
             return gathered, f"a payload was refused: {e}"
         weights = [round_.payloads[peer][0] for peer in group_info.peer_ids]
+        if not sum(weights) > 0:  # full peers that joined for client-mode peers who then were not in the group
+            return gathered, "the group brought no samples (every weight 0)"
         known = {e for e in epochs if e != UNKNOWN_EPOCH}
         if len(known) > 1:
             logger.warning(f"A gradient round of members at epochs {sorted(known)} (this peer at {epoch}): a member "

@@ -31,6 +31,7 @@ from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import enter_asynchronously
 from hivemind.utils.logging import get_logger
 
 from dtrain.node.swarm.deadlines import Retimable
@@ -102,6 +103,17 @@ def incompleteness(runner: AllReduceRunner) -> Optional[str]:
     if left_out:
         return f"senders {left_out} were left out of some parts this peer reduced"
     return None
+
+
+def non_finite(tensors) -> Optional[str]:
+    """Why a round's average must not be applied although every part of it came back, or None. A group whose
+    members all brought no samples (full peers that joined for client-mode peers who then were not in it) has a
+    total weight of 0, and hivemind's reducers divide by it: every value is NaN on every member. A member that sent
+    non-finite values makes the parts it is in non-finite on every member too. The sum in float64 reads each tensor
+    once, allocates nothing of the model's size, and cannot overflow on finite fp32 values."""
+    if all(torch.isfinite(t.sum(dtype=torch.float64)) for t in tensors):
+        return None
+    return "its average is not finite (the group brought no samples, or a member sent non-finite values)"
 
 
 def record_key(prefix: str, group_id: bytes) -> str:
@@ -179,7 +191,11 @@ class CommittingGradientAverager(Retimable, SameEpochGroup, ExpectedGroup, KeyGa
         hivemind's butterfly all-reduce here; the sparse codec gathers payloads instead (node.lowcomm.gather)."""
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         # the round's runner stays registered until the round returns (DecentralizedAverager._step)
-        return gathered, incompleteness(self._running_groups[group_info.group_id].result())
+        reason = incompleteness(self._running_groups[group_info.group_id].result())
+        if reason is None:  # every member sees the same averaged parts, so every member finds the same
+            async with enter_asynchronously(self.get_tensors()) as tensors:
+                reason = non_finite(tensors)
+        return gathered, reason
 
     async def _say(self, key: str, complete: bool) -> None:
         try:
