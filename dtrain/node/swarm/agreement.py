@@ -179,7 +179,7 @@ class Agreement:
             return
         self._next_keep_alive = time.monotonic() + KEEP_ALIVE_S
         for epoch, record in self._records.items():
-            dht_records.store(self.dht, self._key(epoch), self.owner, record.as_dict())
+            dht_records.store(self.dht, self._key(epoch), self.owner, record.as_dict(), wait=False)
 
     # ---- downloads -----------------------------------------------------------------------------------------
 

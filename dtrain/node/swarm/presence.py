@@ -81,12 +81,15 @@ class Presence:
         return time.monotonic() - self._last_announce >= ANNOUNCE_EVERY_S
 
     def refresh(self, step: int, pending_samples: int, downloading: bool = False) -> dict[str, PeerInfo]:
-        """Announce this node and read everyone's announcements."""
-        self._announce(step, pending_samples, downloading)
-        self.nodes = {peer: PeerInfo.from_record(peer, r) for peer, r in dht_records.read(self._dht, self._key).items()}
+        """Announce this node and read everyone's announcements (this node's as it announced it now: the store is
+        not waited for)."""
+        own = self._announce(step, pending_samples, downloading)
+        found = dht_records.read(self._dht, self._key)
+        found[self.peer_id] = own
+        self.nodes = {peer: PeerInfo.from_record(peer, r) for peer, r in found.items()}
         return self.nodes
 
-    def _announce(self, step: int, pending_samples: int, downloading: bool = False) -> None:
+    def _announce(self, step: int, pending_samples: int, downloading: bool = False) -> dict:
         self._last_announce = time.monotonic()
         training = time.monotonic() - self._last_samples_at < TRAINING_RECENTLY_S
         record = dict(step=step, bridge_port=self._bridge_port, maddrs=list(self._maddrs), training=training,
@@ -94,7 +97,8 @@ class Presence:
                       epoch=-1 if downloading else int(self._epoch()))
         if self._model is not None:
             record["model"] = self._model
-        dht_records.store(self._dht, self._key, self._owner, record)
+        dht_records.store(self._dht, self._key, self._owner, record, wait=False)
+        return record
 
     def other_models(self) -> dict[str, dict]:
         """peer id -> the model shape each other node announced, read without announcing this one."""

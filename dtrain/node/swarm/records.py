@@ -115,9 +115,16 @@ def by_peer(entries: Mapping[Any, Any]) -> dict[str, Any]:
     return found
 
 
-def store(dht: hivemind.DHT, key: str, owner: RecordOwner, value: dict, timeout_s: float = TIMEOUT_S) -> bool:
-    """Store this peer's record under `key` for RECORD_TTL_S; False (logged) when it fails."""
+def store(dht: hivemind.DHT, key: str, owner: RecordOwner, value: dict, timeout_s: float = TIMEOUT_S,
+          wait: bool = True) -> bool:
+    """Store this peer's record under `key` for RECORD_TTL_S; False (logged) when it fails. `wait=False` returns at
+    once (True) and logs a failure when the DHT reports it: a refresh nothing waits for, which over an uplink a
+    state download fills takes seconds."""
     future = dht.store(key, value, get_dht_time() + RECORD_TTL_S, subkey=owner.subkey, return_future=True)
+    if not wait:
+        future.add_done_callback(lambda f: f.exception() is None and f.result() or
+                                 logger.warning(f"Storing {key} in the DHT failed: {f.exception() or 'refused'!r}"))
+        return True
     try:
         return bool(future.result(timeout_s))
     except Exception as e:
