@@ -172,3 +172,30 @@ def test_a_joiner_holds_the_swarm_start_only_with_its_bytes_and_hyperparameters(
     finally:
         joiner.shutdown()
         founder.shutdown()
+
+
+def test_a_recheck_between_updates_waits_for_no_read(peers, monkeypatch):
+    """Between updates the training thread rechecks on the last read made on a thread of its own: it returns at
+    once while that read is held up (as behind an uplink a state download fills); forced, right before an update,
+    it reads now."""
+    from dtrain.node.swarm import records as dht_records
+    reference, other = peers
+    other_snap = other.snapshot()
+    other.agreement.after_update(other_snap, RoundOutcome(EPOCH, (other.peer_id,), clean=False))
+    released, reads = threading.Event(), []
+    real_lookup = dht_records.lookup
+
+    def held_lookup(dht, key, timeout_s=dht_records.TIMEOUT_S):
+        reads.append(key)
+        released.wait(30)
+        return real_lookup(dht, key, timeout_s)
+
+    monkeypatch.setattr(dht_records, "lookup", held_lookup)
+    try:
+        started = time.monotonic()
+        assert other.agreement.recheck(other_snap) is other_snap
+        assert time.monotonic() - started < 0.5 and len(reads) == 1  # one read started, none waited for
+        assert other.agreement.recheck(other_snap) is other_snap and len(reads) == 1  # still one at a time
+    finally:
+        released.set()
+    assert other.agreement.recheck(other_snap, force=True) is other_snap and len(reads) == 2

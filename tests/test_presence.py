@@ -2,6 +2,7 @@
 stays announced for as long as the download takes, longer than its record lives."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -36,5 +37,47 @@ def test_a_node_stays_announced_while_it_downloads_and_goes_after(monkeypatch):
         assert joiner.peer_id not in donor.refresh(step=7, pending_samples=0)
         assert donor.alone()
     finally:
+        for d in reversed(dhts):
+            d.shutdown()
+
+
+def test_keep_fresh_waits_for_no_read_and_a_failed_read_leaves_the_view(monkeypatch):
+    """The training thread's refresh: it announces and returns while the read of the others' announcements is held
+    up (as behind an uplink a state download fills); the view is the read's once it answers, and a read that fails
+    is not taken for an empty swarm."""
+    monkeypatch.setattr(presence_module, "ANNOUNCE_EVERY_S", 0.2)
+    released, failing = threading.Event(), threading.Event()
+    real_lookup = records.lookup
+
+    def slow_lookup(dht, key, timeout_s=records.TIMEOUT_S):
+        released.wait(30)
+        return None if failing.is_set() else real_lookup(dht, key, timeout_s)
+
+    run_id = new_run_id()
+    owners = [RecordOwner.generate() for _ in range(2)]
+    dhts = [signed_dht(owners[0])]
+    try:
+        dhts.append(signed_dht(owners[1], initial_peers=dhts[0].get_visible_maddrs()))
+        node, other = (Presence(d, run_id, o, [str(m) for m in d.get_visible_maddrs()], bridge_port=8000)
+                       for d, o in zip(dhts, owners))
+        other.refresh(step=3, pending_samples=0)
+        monkeypatch.setattr(records, "lookup", slow_lookup)
+        started = time.monotonic()
+        node.keep_fresh(step=3, pending_samples=5)
+        assert time.monotonic() - started < 0.5 and node.nodes == {}  # the read is held: nothing seen yet
+        released.set()
+        deadline = time.monotonic() + 10
+        while other.peer_id not in node.nodes and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert set(node.nodes) == {node.peer_id, other.peer_id}
+        assert node.nodes[node.peer_id].pending_samples == 5 and node.nodes[other.peer_id].step == 3
+        failing.set()  # every later read fails: the view stays
+        for _ in range(3):
+            time.sleep(0.3)
+            node.keep_fresh(step=4, pending_samples=0)
+        time.sleep(0.5)
+        assert other.peer_id in node.nodes and not node.alone()
+    finally:
+        released.set()
         for d in reversed(dhts):
             d.shutdown()

@@ -118,7 +118,8 @@ def reference_of(records: Mapping[str, Record]) -> Optional[tuple[str, Record]]:
 
 
 class Agreement:
-    """One peer's side of the agreement; every method runs on the training thread."""
+    """One peer's side of the agreement; every method runs on the training thread (a recheck's reads between
+    updates on a thread of their own)."""
 
     def __init__(self, dht: hivemind.DHT, optimizer: SwarmOptimizer, model: torch.nn.Module, config: SwarmConfig,
                  stop: threading.Event, seed_digest: str, owner: dht_records.RecordOwner):
@@ -130,6 +131,9 @@ class Agreement:
         self.seed_digest = seed_digest  # this node's parameters of epoch 0 (seeded, or imported with --init-from)
         self._records: dict[int, Record] = {}  # epoch -> what this peer published for it (the last KEEP_EPOCHS)
         self._next_recheck = 0.0
+        # between updates, rechecks read the records on a thread of their own: (epoch, what the last read found)
+        self._reads = dht_records.ReadAhead(dht, "dtrain-recheck-read")
+        self._read: Optional[tuple[int, dict[str, dict]]] = None
         self._next_keep_alive = 0.0
         self._swarm_epoch = 0  # the latest epoch of the swarm this peer has seen (see `saw`)
 
@@ -150,8 +154,7 @@ class Agreement:
         return f"dtrain_{self.run_id}_digests_{epoch}"
 
     def records(self, epoch: int) -> dict[str, Record]:
-        parsed = {p: Record.parse(r) for p, r in dht_records.read(self.dht, self._key(epoch)).items()}
-        return {p: r for p, r in parsed.items() if r is not None}
+        return _parsed(dht_records.read(self.dht, self._key(epoch)))
 
     def _others(self, epoch: int) -> dict[str, Record]:
         return {p: r for p, r in self.records(epoch).items() if p != self.peer_id}
@@ -341,13 +344,19 @@ class Agreement:
         return Verdict(snap, included, reference_peer)
 
     def recheck(self, snap: Snapshot, force: bool = False) -> Snapshot:
-        """Until this peer's next update (at most every RECHECK_EVERY_S unless `force`d): follow a peer that served
-        the same epoch with a higher priority and other bytes, which only a race of two separate updates leaves."""
+        """Until this peer's next update: follow a peer that served the same epoch with a higher priority and other
+        bytes, which only a race of two separate updates leaves. `force`d (right before an update) on a read of the
+        records made now; else on the last of the reads made every RECHECK_EVERY_S on a thread of their own, so the
+        training thread never waits for the DHT between updates."""
         mine = self._records.get(snap.updates)
-        if mine is None or not mine.group or (not force and time.monotonic() < self._next_recheck):
+        if mine is None or not mine.group:
             return snap
-        self._next_recheck = time.monotonic() + RECHECK_EVERY_S
-        records = self.records(snap.updates)
+        if force:
+            records = self.records(snap.updates)
+        else:
+            records = self._read_ahead(snap.updates)
+            if records is None:
+                return snap
         records[self.peer_id] = mine
         reference_peer, reference = reference_of(records)
         if reference.digest == snap.digest or self._stop.is_set():
@@ -355,6 +364,23 @@ class Agreement:
         logger.warning(f"update {snap.updates}: peer {reference_peer} serves other bytes with a higher priority; "
                        f"loading its state")
         return self._serve(snap, mine, records).snapshot
+
+    def _read_ahead(self, epoch: int) -> Optional[dict[str, Record]]:
+        """The records of `epoch` a read on its own thread found since the last call, or None; starts the next read
+        when one is due."""
+        read, self._read = self._read, None
+        if time.monotonic() >= self._next_recheck:
+            def found(records: dict[str, dict]) -> None:
+                self._read = (epoch, records)
+
+            if self._reads.start(self._key(epoch), then=found):
+                self._next_recheck = time.monotonic() + RECHECK_EVERY_S
+        return _parsed(read[1]) if read is not None and read[0] == epoch else None
+
+
+def _parsed(found: Mapping[str, dict]) -> dict[str, Record]:
+    parsed = {p: Record.parse(r) for p, r in found.items()}
+    return {p: r for p, r in parsed.items() if r is not None}
 
 
 def _is_reference(records: Mapping[str, Record], digest: str) -> bool:

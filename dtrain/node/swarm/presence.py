@@ -60,7 +60,7 @@ class PeerInfo:
 
 
 class Presence:
-    """This node's announcement and its view of the others (training thread only)."""
+    """This node's announcement and its view of the others (training thread only; `keep_fresh` waits for nothing)."""
 
     def __init__(self, dht: hivemind.DHT, run_id: str, owner: dht_records.RecordOwner, maddrs, bridge_port: int,
                  model: Optional[Mapping[str, int]] = None, epoch: Callable[[], int] = lambda: -1):
@@ -73,6 +73,8 @@ class Presence:
         self._last_announce = -ANNOUNCE_EVERY_S
         self._last_samples_at = -TRAINING_RECENTLY_S  # when this node last reported samples to the swarm
         self.nodes: dict[str, PeerInfo] = {}  # peer id -> its announcement, as of the last refresh
+        self._own: Optional[dict] = None  # this node's last announcement
+        self._reads = dht_records.ReadAhead(dht, "dtrain-presence-read")
 
     def reported_samples(self) -> None:
         self._last_samples_at = time.monotonic()
@@ -83,13 +85,25 @@ class Presence:
     def refresh(self, step: int, pending_samples: int, downloading: bool = False) -> dict[str, PeerInfo]:
         """Announce this node and read everyone's announcements (this node's as it announced it now: the store is
         not waited for)."""
-        own = self._announce(step, pending_samples, downloading)
-        found = dht_records.read(self._dht, self._key)
-        found[self.peer_id] = own
-        self.nodes = {peer: PeerInfo.from_record(peer, r) for peer, r in found.items()}
+        self._announce(step, pending_samples, downloading)
+        self._view(dht_records.read(self._dht, self._key))
         return self.nodes
 
-    def _announce(self, step: int, pending_samples: int, downloading: bool = False) -> dict:
+    def keep_fresh(self, step: int, pending_samples: int) -> None:
+        """`refresh` for the training thread, which must not wait for the DHT: when due, this node announces itself
+        and the others' announcements are read on a thread of its own, which sets `nodes` to what it found. A read
+        that failed leaves `nodes` as it was: no answer is not an empty swarm."""
+        if self.due():
+            self._announce(step, pending_samples)
+            self._reads.start(self._key, then=self._view)
+
+    def _view(self, found: dict[str, dict]) -> None:
+        found = dict(found)
+        if self._own is not None:  # as this node last announced itself: its store is not waited for
+            found[self.peer_id] = self._own
+        self.nodes = {peer: PeerInfo.from_record(peer, r) for peer, r in found.items()}
+
+    def _announce(self, step: int, pending_samples: int, downloading: bool = False) -> None:
         self._last_announce = time.monotonic()
         training = time.monotonic() - self._last_samples_at < TRAINING_RECENTLY_S
         record = dict(step=step, bridge_port=self._bridge_port, maddrs=list(self._maddrs), training=training,
@@ -98,7 +112,7 @@ class Presence:
         if self._model is not None:
             record["model"] = self._model
         dht_records.store(self._dht, self._key, self._owner, record, wait=False)
-        return record
+        self._own = record
 
     def other_models(self) -> dict[str, dict]:
         """peer id -> the model shape each other node announced, read without announcing this one."""

@@ -13,8 +13,9 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import hivemind
 from cryptography.hazmat.primitives import serialization
@@ -134,16 +135,56 @@ def store(dht: hivemind.DHT, key: str, owner: RecordOwner, value: dict, timeout_
 
 def read(dht: hivemind.DHT, key: str, timeout_s: float = TIMEOUT_S) -> dict[str, dict]:
     """peer id -> dict record under `key`; {} when it is missing or the lookup fails (logged)."""
+    found = lookup(dht, key, timeout_s)
+    return {} if found is None else found
+
+
+def lookup(dht: hivemind.DHT, key: str, timeout_s: float = TIMEOUT_S) -> Optional[dict[str, dict]]:
+    """`read`, but None (logged) when the lookup fails: no answer is not the answer that no peer has a record."""
     future = dht.get(key, latest=True, return_future=True)
     try:
         found = future.result(timeout_s)
     except Exception as e:
         logger.warning(f"Reading {key} from the DHT failed: {e!r}")
-        return {}
+        return None
     if found is None or not isinstance(found.value, dict):
         return {}
     records = by_peer({k: v.value for k, v in found.value.items()})
     return {peer: value for peer, value in records.items() if isinstance(value, dict)}
+
+
+class ReadAhead:
+    """DHT reads made on a thread of their own, one at a time, for a caller that must not wait for them (the training
+    thread: behind an uplink that a state download fills, one lookup takes seconds). Each read is bounded
+    (TIMEOUT_S) and runs on a daemon thread, which hands what it found to the caller's callback."""
+
+    def __init__(self, dht: hivemind.DHT, name: str):
+        self._dht, self._name = dht, name
+        self._lock = threading.Lock()
+        self._running = False
+
+    def start(self, key: str, then: Callable[[dict[str, dict]], None]) -> bool:
+        """Read `key`, then call `then` with what the read found (on the read's thread; not when the lookup
+        failed: no answer is not the answer that nobody has a record). False, and nothing started, while a read is
+        running."""
+        with self._lock:
+            if self._running:
+                return False
+            self._running = True
+
+        def run() -> None:
+            try:
+                found = lookup(self._dht, key)
+                if found is not None:
+                    then(found)
+            except Exception as e:  # the DHT shut down under it, or the callback failed: the next read may work
+                logger.warning(f"Reading {key} from the DHT failed: {e!r}")
+            finally:
+                with self._lock:
+                    self._running = False
+
+        threading.Thread(target=run, name=self._name, daemon=True).start()
+        return True
 
 
 @contextlib.contextmanager

@@ -389,8 +389,7 @@ class TrainingNode:
 
     def alone(self) -> bool:
         """No other node in the swarm, as the presence records and the swarm's progress show."""
-        if self.presence.due():  # a node that joined since the last look must not be missed
-            self.presence.refresh(self.step, self.gradient.samples)
+        self.presence.keep_fresh(self.step, self.gradient.samples)  # a node that joined since must not be missed
         return self.presence.alone() and self.swarm.optimizer.tracker.global_progress.num_peers <= 1
 
     def trains_on_own_data(self) -> bool:
@@ -399,8 +398,7 @@ class TrainingNode:
 
     def housekeeping(self) -> None:
         """After each iteration: the presence record and agreement kept alive, the checkpoint when one is due."""
-        if self.presence.due():
-            self.presence.refresh(self.step, self.gradient.samples)
+        self.presence.keep_fresh(self.step, self.gradient.samples)
         # on a timer of its own: the presence is also refreshed elsewhere (alone, --wait-for-peers), which left
         # this peer's records to expire in a swarm waiting for peers or idle
         self.agreement.keep_alive()
@@ -427,8 +425,7 @@ class TrainingNode:
         """--wait-for-peers: have that many nodes joined? A node serves step 1 or later once it has; a joiner still
         downloading announces step 0. Once they have, local training goes on whoever leaves."""
         want = self.config.wait_for_peers
-        if self.presence.due():
-            self.presence.refresh(self.step, self.gradient.samples)
+        self.presence.keep_fresh(self.step, self.gradient.samples)
         have = sum(1 for info in self.presence.nodes.values() if info.step >= 1)
         if have >= want:
             self._peers_arrived = True
