@@ -146,7 +146,7 @@ class SwarmConfig:
                               "one, whichever is slower (0: the measured one only)")
     # a joiner's first download (docs/low-communication.md, "Joining from several donors"): in ranges from several
     # donors at once, resumed when one fails; every node then also serves ranges of its state (in place: no copy)
-    state_donors: int = option(0, "--state-donors", "low-comm, sparse codec: a joiner downloads the state in ranges "
+    state_donors: int = option(3, "--state-donors", "low-comm, sparse codec: a joiner downloads the state in ranges "
                                "from up to this many peers at once, and a donor that fails loses its ranges to the "
                                "others; the node serves ranges of its state too (0: one peer, through hivemind's "
                                "download, and the node serves no ranges)")
