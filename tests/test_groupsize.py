@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dtrain.node.swarm.commit import CommittingGradientAverager
+from dtrain.node.swarm.groupsize import BehindTheSwarm
 from tests.test_commit import applied, averagers
 
 pytestmark = pytest.mark.swarm
@@ -75,3 +76,28 @@ def test_peers_at_different_epochs_find_no_group_and_at_one_epoch_average(pair):
         timed_round(pair, expect=2)  # the same two peers, at one epoch: the average of both
     finally:
         EPOCHS[:] = [7, 7]
+
+
+def test_a_round_looking_for_a_group_ends_once_the_swarm_is_past_its_epoch(pair):
+    """A peer whose round missed the others' group looks for one until its deadline; once its node reads that the
+    swarm moved past the round's epoch, the round ends within a second, and the averager's next round, at the
+    swarm's epoch, averages as before."""
+    late, _ = pair[0][1], pair[1][1]
+    late.accumulate_grads_(batch_size=1)
+    began = time.monotonic()
+    control = late.step(wait=False, timeout=STEP_TIMEOUT_S, allow_retries=False)  # at epoch 7, nobody else looking
+    time.sleep(2.0)
+    late.swarm_at(7)  # the swarm at the round's own epoch: it goes on looking
+    time.sleep(1.0)
+    assert not control.done(), control
+    late.swarm_at(8)
+    with pytest.raises(BehindTheSwarm, match="epoch 8"):
+        control.result(STEP_TIMEOUT_S)
+    took = time.monotonic() - began
+    assert took < 5.0, f"the round ended {took:.1f}s after it began, not once the swarm moved on"
+    EPOCHS[:] = [8, 8]
+    try:
+        timed_round(pair, expect=2)
+    finally:
+        EPOCHS[:] = [7, 7]
+        late.swarm_at(-1)

@@ -53,6 +53,7 @@ class AbortedRound:
 
     reason: str
     ran_out: bool = False  # the round ran out of time (its exchange, or a member's record, came too late)
+    behind: bool = False  # it ended in matchmaking because the swarm is past its epoch (node.swarm.groupsize)
 
 
 class ExchangeClock:

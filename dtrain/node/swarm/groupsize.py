@@ -19,13 +19,26 @@ round one epoch behind: its update then differed from theirs, and because the gr
 leader expected, a peer at the right epoch was left out of it and updated alone (the churn bench, 20 Mbit/s).
 Each gradient round now carries its peer's epoch in hivemind's gather data, and a leader turns away a follower at
 another epoch; the peer behind finds no group, as any peer late to a round, and catches up.
+
+A round that found no group would still look for one until its deadline (the all-reduce deadline, 38 s for the
+default model at 10 Mbit/s), and hivemind 1.1.12 cannot cancel a round in matchmaking safely. Meanwhile the swarm
+made two or three updates, which the peer then replayed, arriving late again: in a churn run at 20 Mbit/s a joiner
+went round this loop for 17 minutes. So the node tells its averager the swarm's epoch as its tracker reads it
+(`swarm_at`), and a round still matchmaking at an older epoch ends with `BehindTheSwarm`, through the same path as
+any error of hivemind's matchmaking (its group future fails; followers, if any, are sent away); the peer catches up
+at once.
 """
 from __future__ import annotations
 
+import asyncio
+import multiprocessing as mp
 from typing import Callable, Optional
 
+from hivemind.averaging.control import AveragingStage
 from hivemind.proto import averaging_pb2
 from hivemind.utils.serializer import MSGPackSerializer
+
+WATCH_S = 0.25  # how often a round in matchmaking compares its epoch with the swarm's
 
 
 class ExpectedGroup:
@@ -57,13 +70,23 @@ def epoch_of(data_for_gather: bytes) -> Optional[int]:
     return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
 
 
+class BehindTheSwarm(Exception):
+    """A gradient round ended in matchmaking: the swarm is at a later epoch than the round."""
+
+
 class SameEpochGroup:
-    """A hivemind gradient averager whose groups hold peers at one epoch (see the module docstring). `round_epoch`
-    is the epoch of the peer's next round, read when the round is scheduled (the optimizer's local epoch)."""
+    """A hivemind gradient averager whose groups hold peers at one epoch, and whose rounds end once the swarm is
+    past their epoch (see the module docstring). `round_epoch` is the epoch of the peer's next round, read when the
+    round is scheduled (the optimizer's local epoch)."""
 
     def __init__(self, *args, round_epoch: Callable[[], Optional[int]] = lambda: None, **kwargs):
         self._round_epoch = round_epoch
+        self._swarm_epoch = mp.Value("q", -1, lock=False)  # written by the node, read in the averager's process
         super().__init__(*args, **kwargs)
+
+    def swarm_at(self, epoch: int) -> None:
+        """The swarm's epoch as the node's tracker reads it (the node's process; one aligned word, no lock)."""
+        self._swarm_epoch.value = int(epoch)
 
     def schedule_step(self, scheduled_time=None, **kwargs):
         if kwargs.get("gather") is None:
@@ -79,7 +102,26 @@ class SameEpochGroup:
                 return checks(request, context) or other_epoch(matchmaking.step_control, request)
 
             matchmaking._check_reasons_to_reject, matchmaking.same_epoch_only = check, True
-        return await super()._step(**kwargs)
+        watch = asyncio.create_task(self._end_when_behind(kwargs["step"]))
+        try:
+            return await super()._step(**kwargs)
+        except BehindTheSwarm:
+            return None  # the round's control holds it (hivemind set it before re-raising)
+        finally:
+            watch.cancel()
+
+    async def _end_when_behind(self, step) -> None:
+        ours = epoch_of(step.data_for_gather)
+        if ours is None:
+            return
+        while not step.done():
+            await asyncio.sleep(WATCH_S)
+            swarm = self._swarm_epoch.value
+            if swarm > ours and step.stage == AveragingStage.LOOKING_FOR_GROUP:
+                group = self._matchmaking.assembled_group
+                if not group.done():
+                    group.set_exception(BehindTheSwarm(f"the swarm is at epoch {swarm}, this round at {ours}"))
+                return
 
 
 def other_epoch(leading, request) -> Optional[averaging_pb2.MessageFromLeader]:

@@ -24,7 +24,7 @@ from hivemind.utils.logging import get_logger
 
 from dtrain.node.swarm.commit import AbortedRound, chunk_timeout
 from dtrain.node.swarm.deadlines import Deadline, Retimable, RoundClock
-from dtrain.node.swarm.groupsize import ExpectedGroup
+from dtrain.node.swarm.groupsize import BehindTheSwarm, ExpectedGroup, SameEpochGroup
 from dtrain.node.swarm.state import SwarmStateAverager
 from dtrain.node.swarm.tracker import PacedTracker
 
@@ -108,13 +108,15 @@ class SwarmOptimizer(hivemind.Optimizer):
             next_chunk_timeout=self.next_chunk_timeout, client_mode=self.client_mode, auxiliary=self.auxiliary,
             start=True, **kwargs)
 
-    def _no_round_alone(self, reason: str, others: bool = True) -> None:
+    def _no_round_alone(self, reason: str, others: bool = True, behind: bool = False) -> None:
         # A client-mode peer never updates alone (see the class docstring); nor does a full peer that only joined
         # the round for client-mode peers' sake (no samples of its own): alone, its update would be Adam's
         # momentum and weight decay, asked for by no one. Nor, while `others` train, does a peer in the epoch it
         # arrived in late (`arrived_in`): they began the epoch before it, and when its first round misses theirs
         # their update is the swarm's; its own would be bytes they do not have, which it would then download whole
-        if self.client_mode:
+        if behind:  # its round ended in matchmaking (node.swarm.groupsize): the swarm's update is already made
+            why = ": the swarm moved on; this peer catches up and its gradient waits for the swarm's next round"
+        elif self.client_mode:
             why = " alone (client mode); this peer's gradient waits for the swarm's next round"
         elif self._round_samples == 0:
             why = " alone (no samples of its own)"
@@ -128,8 +130,15 @@ class SwarmOptimizer(hivemind.Optimizer):
         return PacedTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
                              client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=True,
                              settle_s=self._settle_s, others_present=self._others_present, round_due=self._round_due,
-                             announced_epochs=self._announced_epochs,
+                             announced_epochs=self._announced_epochs, on_swarm_epoch=self._swarm_at,
                              **kwargs)
+
+    def _swarm_at(self, epoch: int) -> None:
+        """The tracker read the swarm's epoch (its fetcher's thread): a round of this peer still looking for a group
+        at an older one ends (node.swarm.groupsize.BehindTheSwarm)."""
+        averager = getattr(self, "grad_averager", None)  # made after the tracker
+        if isinstance(averager, SameEpochGroup):
+            averager.swarm_at(epoch)
 
     @property
     def peer_id(self) -> str:
@@ -215,7 +224,8 @@ class SwarmOptimizer(hivemind.Optimizer):
             if not isinstance(group_info, AbortedRound):
                 self._load_averaged_gradients_into_optimizer_()
         except BaseException as e:  # TimeoutError: the all-reduce's bound, or this wait's, ran out
-            group_info = AbortedRound(repr(e), ran_out=isinstance(e, TimeoutError))
+            group_info = AbortedRound(repr(e), ran_out=isinstance(e, TimeoutError),
+                                      behind=isinstance(e, BehindTheSwarm))
         if not maybe_step_control.done():
             maybe_step_control.cancel()
         if getattr(self.grad_averager, "grads_averaged_in_place", False):
@@ -225,7 +235,7 @@ class SwarmOptimizer(hivemind.Optimizer):
                 pass
         if isinstance(group_info, AbortedRound):
             reason = group_info.reason + self._ran_out(group_info)
-            self._no_round_alone(reason)
+            self._no_round_alone(reason, behind=group_info.behind)
             logger.info(f"Gradient averaging failed ({reason}): this update uses this peer's own gradient")
             self._load_local_gradients_into_optimizer()
             return

@@ -46,7 +46,8 @@ class PacedTracker(ProgressTracker):
 
     def __init__(self, *args, settle_s: float, others_present: Callable[[], bool] = lambda: False,
                  round_due: Optional[Callable[[], bool]] = None,
-                 announced_epochs: Callable[[], Mapping[str, int]] = dict, between_rounds_s: float = 3.0, **kwargs):
+                 announced_epochs: Callable[[], Mapping[str, int]] = dict, between_rounds_s: float = 3.0,
+                 on_swarm_epoch: Callable[[int], None] = lambda epoch: None, **kwargs):
         self.settle_s = settle_s
         self.between_rounds_s = between_rounds_s
         # whether other nodes announced themselves (node.swarm.presence); a swarm without announcements (the
@@ -57,6 +58,7 @@ class PacedTracker(ProgressTracker):
         # low-communication mode: the node's own rule (its round is due, or it is the single server) replaces the
         # target and the settle rule; then this peer's round begins once the swarm's samples stopped growing
         self.round_due = round_due
+        self.on_swarm_epoch = on_swarm_epoch  # called with the swarm's epoch at every read of its progress
         self._seen_samples, self._grew_at = 0, time.monotonic()
         # the epoch at which every other peer the round counts said its round is due (the last read), if any
         self._others_due_at: Optional[int] = None
@@ -106,6 +108,7 @@ class PacedTracker(ProgressTracker):
         else:
             self._others_due_at = None
         self._reads += 1
+        self.on_swarm_epoch(progress.epoch)
         if self.round_due is not None and not self.round_due():
             progress.next_fetch_time = max(progress.next_fetch_time, get_dht_time() + self.between_rounds_s)
         return progress
