@@ -17,7 +17,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import hivemind
 import torch
-from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils import get_dht_time
 from hivemind.utils.logging import get_logger
@@ -31,6 +31,7 @@ from dtrain.node.swarm.tracker import PacedTracker
 logger = get_logger(__name__)
 
 SKIP_LOG_EVERY_S = 10.0  # at most one log line this often for rounds that made no update
+SWARM_EPOCH_EVERY_S = 1.0  # how often the swarm's epoch is read while this peer waits for its round
 
 
 @dataclass(frozen=True)
@@ -220,7 +221,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             # the averager decides within its deadline (matchmaking) plus one all-reduce with its commit step: waiting
             # longer than that, this peer never uses its own gradient while the others apply a round it committed
             bound = max(0.0, maybe_step_control.deadline - get_dht_time()) + self.allreduce_timeout + 1.0
-            group_info = maybe_step_control.result(bound)
+            group_info = self._wait_for_round(maybe_step_control, bound)
             if not isinstance(group_info, AbortedRound):
                 self._load_averaged_gradients_into_optimizer_()
         except BaseException as e:  # TimeoutError: the all-reduce's bound, or this wait's, ran out
@@ -243,6 +244,33 @@ class SwarmOptimizer(hivemind.Optimizer):
         logger.info(f"Averaged gradients with {len(group_info)} peers")
         self._round_group = tuple(sorted(str(peer) for peer in group_info))
         self._round_clean = True
+
+    def _wait_for_round(self, control, bound: float):
+        """The round's result, within `bound` seconds. The tracker reads no progress while an update runs (hivemind
+        holds its lock for the update), so meanwhile the swarm's epoch is read here, every SWARM_EPOCH_EVERY_S, for
+        the averager to end a round still looking for a group at an older one (node.swarm.groupsize)."""
+        deadline = time.monotonic() + bound
+        while True:
+            try:
+                return control.result(max(0.0, min(deadline - time.monotonic(), SWARM_EPOCH_EVERY_S)))
+            except TimeoutError:
+                if control.done() or time.monotonic() >= deadline:
+                    raise  # the round's own error, or this wait's bound
+            epoch = self._read_swarm_epoch()
+            if epoch is not None:
+                self._swarm_at(epoch)
+
+    def _read_swarm_epoch(self) -> Optional[int]:
+        """The latest epoch in the full peers' progress records (hivemind's global epoch), or None."""
+        try:
+            found = self.dht.get(self.tracker.training_progress_key, latest=True, return_future=True)
+            found = found.result(SWARM_EPOCH_EVERY_S)
+            records = found.value.values() if found is not None and isinstance(found.value, dict) else ()
+            epochs = [LocalTrainingProgress.parse_obj(r.value) for r in records if r.value is not None]
+        except Exception as e:  # no answer, or a record that is not a progress record: the next read may do
+            logger.debug(f"Reading the swarm's progress failed: {e!r}")
+            return None
+        return max((p.epoch for p in epochs if not p.client_mode), default=None)
 
     def _measured(self, peers: int) -> None:
         """A committed round: its exchange's throughput goes into the next round's deadline."""
