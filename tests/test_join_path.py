@@ -44,6 +44,8 @@ def _tracker(local_epoch: int, key: bytes = b"me", client: bool = False) -> Pace
     tracker.performance_ema = PerformanceEMA(alpha=0.1)
     tracker._local_public_key = key
     tracker.announced_epochs = dict
+    tracker.swarm_epochs = []  # what it hands the averager at each read (node.swarm.groupsize.BehindTheSwarm)
+    tracker.on_swarm_epoch = tracker.swarm_epochs.append
     tracker.round_due, tracker.between_rounds_s, tracker._others_due_at, tracker._due_at = None, 3.0, None, None
     tracker._reads, tracker._read_wait = 0, (0, 0.0)
     tracker.dht, tracker.client_mode = type("DHT", (), {"peer_id": PeerID(b"me")})(), client
@@ -67,8 +69,10 @@ def test_a_round_counts_only_peers_at_the_swarms_epoch():
     assert (progress.epoch, progress.num_peers, progress.num_clients) == (16, 2, 1)
     assert progress.samples_accumulated == 12  # hivemind's rule, unchanged: samples of the epoch only
     # seen from the peer behind: the swarm is at 16, and it is in none of its rounds itself
-    progress = _tracker(14, key=b"behind")._parse_swarm_progress_data(metadata)
+    behind = _tracker(14, key=b"behind")
+    progress = behind._parse_swarm_progress_data(metadata)
     assert (progress.epoch, progress.num_peers) == (16, 2)
+    assert behind.swarm_epochs == [16]  # its averager ends a round still looking for a group at 14
 
 
 def test_a_peer_announced_at_the_swarms_epoch_counts_whatever_its_record_says():

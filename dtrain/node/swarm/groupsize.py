@@ -23,10 +23,10 @@ another epoch; the peer behind finds no group, as any peer late to a round, and 
 A round that found no group would still look for one until its deadline (the all-reduce deadline, 38 s for the
 default model at 10 Mbit/s), and hivemind 1.1.12 cannot cancel a round in matchmaking safely. Meanwhile the swarm
 made two or three updates, which the peer then replayed, arriving late again: in a churn run at 20 Mbit/s a joiner
-went round this loop for 17 minutes. So the node tells its averager the swarm's epoch as its tracker reads it
-(`swarm_at`), and a round still matchmaking at an older epoch ends with `BehindTheSwarm`, through the same path as
-any error of hivemind's matchmaking (its group future fails; followers, if any, are sent away); the peer catches up
-at once.
+went round this loop for 17 minutes. So the node tells its averager the swarm's epoch (`swarm_at`) as its tracker
+reads it, and as it reads it itself while it waits for its round (node.swarm.optimizer), and a round still
+matchmaking at an older epoch ends with `BehindTheSwarm`, through the same path as any error of hivemind's
+matchmaking (its group future fails; followers, if any, are sent away); the peer catches up at once.
 """
 from __future__ import annotations
 
