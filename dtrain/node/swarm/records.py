@@ -123,8 +123,12 @@ def store(dht: hivemind.DHT, key: str, owner: RecordOwner, value: dict, timeout_
     state download fills takes seconds."""
     future = dht.store(key, value, get_dht_time() + RECORD_TTL_S, subkey=owner.subkey, return_future=True)
     if not wait:
-        future.add_done_callback(lambda f: f.exception() is None and f.result() or
-                                 logger.warning(f"Storing {key} in the DHT failed: {f.exception() or 'refused'!r}"))
+        def stored(done) -> None:
+            failure = None if done.cancelled() else done.exception()
+            if done.cancelled() or failure is not None or not done.result():
+                logger.warning(f"Storing {key} in the DHT failed: {failure or 'refused'!r}")
+
+        future.add_done_callback(stored)
         return True
     try:
         return bool(future.result(timeout_s))
