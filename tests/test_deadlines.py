@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from dtrain.node.config import SwarmConfig
+from dtrain.node.lowcomm import momentum as momentum8
 from dtrain.node.lowcomm import sparse
 from dtrain.node.lowcomm.codec import round_sizes
 from dtrain.node.swarm.deadlines import (DEADLINE_PEERS, STATE_BYTES_PER_ELEMENT, RoundClock, RoundDeadlines,
@@ -45,7 +46,9 @@ def test_the_first_deadline_is_the_link_s_in_low_comm_and_the_floor_in_per_step_
 
 def test_a_state_download_may_take_what_the_state_needs_at_the_link_rate():
     low, _, _ = deadlines_of(SwarmConfig(link_mbit=10.0, load_state_timeout_s=120.0))
-    state = P * STATE_BYTES_PER_ELEMENT["low-comm"]  # parameters and outer momentum: 992 MB
+    # f32 parameters and the outer momentum in 8 bits (the form the swarm keeps it in): 622 MB
+    assert STATE_BYTES_PER_ELEMENT["low-comm"] == momentum8.STATE_BYTES_PER_ELEMENT
+    state = P * STATE_BYTES_PER_ELEMENT["low-comm"]
     assert low.load_state_timeout_s == pytest.approx(3.0 * state / 1.25e6) and low.load_state_timeout_s > 120.0
     small, _, _ = deadlines_of(SwarmConfig(link_mbit=10.0, load_state_timeout_s=120.0), 1_000_000)
     assert small.load_state_timeout_s == 120.0  # the configured bound is the floor

@@ -15,6 +15,7 @@ from dtrain.node import checkpoint as ckpt
 from dtrain.node import hfdir
 from dtrain.node.assets import tokenizer_files
 from dtrain.node.config import ModelConfig, TrainConfig
+from dtrain.node.lowcomm import momentum as momentum8
 from dtrain.node.lowcomm.outer import OuterNesterov
 from dtrain.node.lowcomm.rounds import InnerRounds
 from dtrain.node.model import build_model
@@ -209,6 +210,45 @@ def test_a_low_comm_round_round_trips_and_goes_on_bit_for_bit(tmp_path):
     saved = [a - q for a, q in zip(anchor, back.round.inner_params)]
     assert all(torch.allclose(d, s, rtol=0, atol=1e-6) for d, s in zip(rounds3.pseudo_gradient(), saved))
     assert not torch.equal(rounds3.anchor[0], anchor[0]) and rounds3.steps == 1
+
+
+def test_the_outer_momentum_is_saved_in_its_8_bits_and_an_f32_one_of_an_earlier_version_is_rounded(tmp_path):
+    model, rounds, outer = _low_comm(TINY)
+    gen = torch.Generator().manual_seed(0)
+    for p in rounds.params:
+        p.grad = torch.randn(p.shape, generator=gen) * 1e-2
+    outer.step()
+    ckpt.save(tmp_path, _saved_round(model, rounds, outer))
+    back = ckpt.load(tmp_path)
+    _, _, outer2 = _low_comm(TINY)
+    outer2.load_state_dict(back.optimizer_state)
+    for p, q in zip(outer.param_groups[0]["params"], outer2.param_groups[0]["params"]):
+        for key in ("momentum_codes", "momentum_scales"):
+            a, b = outer.state[p][key], outer2.state[q][key]
+            assert a.dtype == b.dtype and a.numpy().tobytes() == b.numpy().tobytes(), key
+    assert outer.state[p]["momentum_codes"].dtype == torch.int8 and outer.state[p]["momentum_scales"].any()
+
+    # a file of an earlier version: the momentum in f32, the groups without the block
+    old = outer.state_dict()
+    shapes, buffers = [p.shape for p in outer.param_groups[0]["params"]], {}
+    for index, state in old["state"].items():
+        flat = momentum8.dequantize(state.pop("momentum_codes"), state.pop("momentum_scales")) * 1.01
+        state["momentum_buffer"] = buffers[index] = flat.view(shapes[index])
+    for group in old["param_groups"]:
+        del group["momentum_block"]
+    ckpt.save(tmp_path, ckpt.Checkpoint(params=dict(zip(dict(model.named_parameters()), rounds.anchor)),
+                                        optimizer_state=old, epoch=3, losses=[], model_config=TINY, sync="low-comm"))
+    back = ckpt.load(tmp_path)
+    ckpt.check_fits(back, "it", model, "low-comm", feedback=True)
+    assert all(g["momentum_block"] == momentum8.BLOCK for g in back.optimizer_state["param_groups"])
+    for index, state in back.optimizer_state["state"].items():
+        assert set(state) == {"momentum_codes", "momentum_scales"}
+        codes, scales = momentum8.zeros(buffers[index])
+        momentum8.quantize_(buffers[index], codes, scales)
+        assert torch.equal(state["momentum_codes"], codes) and torch.equal(state["momentum_scales"], scales)
+    back.optimizer_state["state"][0]["momentum_scales"] = torch.zeros(3)
+    with pytest.raises(ckpt.CheckpointError, match="momentum_scales"):
+        ckpt.check_fits(back, "it", model, "low-comm", feedback=True)
 
 
 def test_a_checkpoint_that_does_not_fit_the_node_is_refused_with_what_differs(tmp_path):

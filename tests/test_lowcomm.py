@@ -8,6 +8,7 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 
 from dtrain.node import memory
 from dtrain.node.lowcomm import codec
+from dtrain.node.lowcomm import momentum as momentum8
 from dtrain.node.lowcomm.outer import OuterNesterov, nesterov_
 from dtrain.node.lowcomm.rounds import InnerRounds
 
@@ -29,24 +30,40 @@ def test_unknown_codec_is_a_typed_error():
         codec.compression("top1")
 
 
-def test_outer_nesterov_matches_torch_sgd_and_passthrough_is_the_inner_update():
+def momentum_of(outer: OuterNesterov, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return outer.state[p]["momentum_codes"], outer.state[p]["momentum_scales"]
+
+
+def set_momentum(outer: OuterNesterov, p: torch.Tensor, values: torch.Tensor) -> None:
+    momentum8.quantize_(values, *momentum_of(outer, p))
+
+
+def test_outer_nesterov_is_torch_sgd_with_the_momentum_kept_in_8_bits_and_passthrough_is_the_inner_update():
     torch.manual_seed(0)
-    a, b = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(5))
+    n = 2 * momentum8.BLOCK + 37  # two whole blocks and a shorter one
+    a, b = torch.nn.Parameter(torch.randn(n)), torch.nn.Parameter(torch.randn(n))
     b.data.copy_(a.data)
     mine, ref = OuterNesterov([a], lr=0.7, momentum=0.9), torch.optim.SGD([b], lr=0.7, momentum=0.9, nesterov=True)
     for _ in range(3):
-        g = torch.randn(5)
+        g = torch.randn(n)
         a.grad, b.grad = g.clone(), g.clone()
         mine.step()
         ref.step()
-    assert torch.allclose(a, b, atol=1e-6)
-    before, buf = a.detach().clone(), mine.state[a]["momentum_buffer"].clone()
+        buf = ref.state[b]["momentum_buffer"]  # torch's step with the f32 momentum, then the momentum rounded
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
+        assert momentum_of(mine, a)[0].dtype == torch.int8 and momentum_of(mine, a)[1].shape == (3,)
+        codes, scales = momentum8.zeros(buf)
+        momentum8.quantize_(buf, codes, scales)
+        assert torch.equal(codes, momentum_of(mine, a)[0]) and torch.allclose(scales, momentum_of(mine, a)[1])
+        buf.copy_(momentum8.dequantize(codes, scales))
+        assert (buf - momentum8.dequantize(*momentum_of(mine, a))).abs().max() <= 1e-6
+    before, kept = a.detach().clone(), [t.clone() for t in momentum_of(mine, a)]
     mine.passthrough = True
-    inner = before - torch.tensor([1e-3, -2e-3, 0.0, 5e-4, 1.0])  # where an inner update took the parameters
+    inner = before - torch.linspace(-1e-3, 1.0, n)  # where an inner update took the parameters
     a.grad = before - inner
     mine.step()
     assert torch.allclose(a.detach(), inner, rtol=0, atol=1e-7)
-    assert torch.equal(mine.state[a]["momentum_buffer"], buf)
+    assert all(torch.equal(x, y) for x, y in zip(momentum_of(mine, a), kept))
     with pytest.raises(ValueError):
         OuterNesterov([a], lr=0.0)
 
@@ -144,7 +161,7 @@ def _round_with_outer(n: int, seed: int = 0):
     r = InnerRounds([p], torch.optim.SGD([p], lr=0.5), 1)
     r.inner_step([torch.randn(n)])
     outer = OuterNesterov([p], lr=0.7, momentum=0.9)
-    outer.state[p]["momentum_buffer"].copy_(torch.randn(n))
+    set_momentum(outer, p, torch.randn(n))
     return p, r, outer
 
 
@@ -152,18 +169,17 @@ def test_the_outer_step_goes_from_the_anchor_with_no_copy_of_the_parameters():
     n = 1 << 16
     p, r, outer = _round_with_outer(n)
     anchor, inner = r.anchor[0].clone(), p.detach().clone()
-    buf = outer.state[p]["momentum_buffer"].clone()
     average = torch.randn(n)
     # as it was done: the parameters back at the anchor, a copy of the inner updates' values set aside
-    expected_p, expected_buf = anchor.clone(), buf.clone()
-    nesterov_(expected_p, average.clone(), expected_buf, 0.7, 0.9)
+    expected_p, expected_momentum = anchor.clone(), [t.clone() for t in momentum_of(outer, p)]
+    nesterov_(expected_p, average.clone(), *expected_momentum, 0.7, 0.9)
     outer.source = r.begin()
     assert r.holds_inner() and r._inner is None and torch.equal(p.detach(), inner)  # nothing copied or moved
     with torch.no_grad():
         p.grad.copy_(average)  # the round's average, where hivemind's averager writes it
     outer.step()
     assert p.detach().numpy().tobytes() == expected_p.numpy().tobytes()  # bit for bit
-    assert outer.state[p]["momentum_buffer"].numpy().tobytes() == expected_buf.numpy().tobytes()
+    assert [t.numpy().tobytes() for t in momentum_of(outer, p)] == [t.numpy().tobytes() for t in expected_momentum]
     assert r.pseudo_gradient()[0].numpy().tobytes() == (anchor - inner).numpy().tobytes()  # left in .grad
     with pytest.raises(RuntimeError):
         r.inner_parameter(0)  # gone: nothing holds it
@@ -209,9 +225,8 @@ def test_a_download_inside_the_round_sets_the_parameters_aside_and_the_step_goes
     r.enter_outer()  # what SwarmOptimizer.before_state_load does before a download
     assert torch.equal(p.detach(), anchor) and torch.equal(r._inner[0], inner)
     downloaded, average = torch.randn(64), torch.randn(64)
-    buf = outer.state[p]["momentum_buffer"].clone()
     expected = downloaded.clone()
-    nesterov_(expected, average.clone(), buf, 0.7, 0.9)
+    nesterov_(expected, average.clone(), *[t.clone() for t in momentum_of(outer, p)], 0.7, 0.9)
     with torch.no_grad():
         p.copy_(downloaded)
         p.grad.copy_(average)
@@ -233,10 +248,10 @@ def test_a_node_alone_lands_on_its_inner_parameters_with_no_copy():
     outer.passthrough, outer.source = True, r.begin()
     with torch.no_grad():
         p.grad.copy_(r.offer(compress=False)[0])
-    momentum = outer.state[p]["momentum_buffer"].clone()
+    momentum = [t.clone() for t in momentum_of(outer, p)]
     outer.step()
     assert torch.equal(p.detach(), inner) and r._inner is None and not r._moved  # it never left
-    assert torch.equal(outer.state[p]["momentum_buffer"], momentum)
+    assert all(torch.equal(x, y) for x, y in zip(momentum_of(outer, p), momentum))
     r.landed()
     assert not p.grad.any()  # the gradient buffers are released
     assert torch.equal(r.pseudo_gradient()[0], r.anchor[0] - inner)
@@ -346,7 +361,7 @@ def _lifecycle(resident: bool) -> dict:
     seen["inner"] = [t.numpy().tobytes() for t in r.inner_parameters()]
     seen["anchor"] = [a.numpy().tobytes() for a in r.anchor]
     seen["feedback"] = [e.numpy().tobytes() for e in r.feedback]
-    seen["momentum"] = [outer.state[p]["momentum_buffer"].numpy().tobytes() for p in params]
+    seen["momentum"] = [t.numpy().tobytes() for p in params for t in momentum_of(outer, p)]
     r.begin()
     seen["params at the round"] = [p.detach().numpy().tobytes() for p in params]
     return seen

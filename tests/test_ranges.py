@@ -12,6 +12,7 @@ import torch
 
 from google.protobuf import wrappers_pb2
 
+from dtrain.node.lowcomm import momentum as momentum8
 from dtrain.node.lowcomm import ranges, record, roundlog, sparse, statefetch
 from dtrain.node.lowcomm.outer import OuterNesterov
 from tests.test_roundlog import payload
@@ -20,49 +21,81 @@ pytestmark = pytest.mark.unit
 
 SIZES = (300, 7, 1, 450, 242)  # a model of 1000 elements in tensors that the ranges cut across
 TOTAL = sum(SIZES)
+LAYOUT = ranges.StateLayout(SIZES)
 LR, MU = 0.7, 0.9
+BLOCK = momentum8.BLOCK
 
 
-def test_the_plan_covers_the_state_once_in_order():
-    for total, size in ((1000, 64), (1000, 1000), (1000, 3000), (1, 64), (129, 64)):
-        plan = ranges.plan(total, size)
-        assert plan[0].offset == 0 and plan[-1].end == total
-        assert all(a.end == b.offset for a, b in zip(plan, plan[1:]))
-        assert all(r.length == size for r in plan[:-1]) and 0 < plan[-1].length <= size
-    assert ranges.plan(0) == []
+def boundaries(sizes) -> set:
+    """Every element where a momentum block begins, and the end of the state."""
+    starts = np.cumsum((0,) + tuple(sizes[:-1]))
+    return {int(s) + k for s, n in zip(starts, sizes) for k in range(0, n, BLOCK)} | {sum(sizes)}
 
 
-def test_requests_are_bounded_to_the_model():
-    r = ranges.Range(64, 64)
-    assert ranges.parse_request(ranges.encode_request(r), TOTAL) == r
-    for bad in (ranges.Range(990, 20), ranges.Range(0, 0), ranges.Range(0, ranges.MAX_RANGE_ELEMENTS + 1)):
+def test_the_plan_covers_the_state_once_in_order_in_whole_blocks():
+    for sizes in (SIZES, (1,), (129,), (70_000, 3, 130_000, 1_000), (0, 600, 0, 5)):
+        layout, edges = ranges.StateLayout(sizes), boundaries(sizes)
+        assert all(layout.on_boundary(x) == (x in edges) for x in range(sum(sizes) + 1))
+        for size in (1, 64, 256, 300, 1000, 3000, ranges.RANGE_ELEMENTS):
+            plan = layout.plan(size)
+            assert plan[0].offset == 0 and plan[-1].end == sum(sizes)
+            assert all(a.end == b.offset for a, b in zip(plan, plan[1:]))
+            for r in plan:
+                assert r.offset in edges and r.end in edges
+                after = min(e for e in edges if e > r.offset)  # the block it begins with
+                # as long as it may be, and no longer: the next boundary after it is beyond `size`
+                assert r.length <= size or r.end == after
+                assert r.end == sum(sizes) or min(e for e in edges if e > r.end) > r.offset + size or r.end == after
+                assert layout.scale_count(r) == sum(p.end_scale - p.first_scale for p in layout.parts(r))
+    assert ranges.StateLayout(()).plan() == []
+    # the parts of a range: its share of each tensor, each beginning on a block of that tensor
+    assert LAYOUT.parts(ranges.Range(256, 308)) == [ranges.Part(0, 256, 300), ranges.Part(1, 0, 7),
+                                                     ranges.Part(2, 0, 1), ranges.Part(3, 0, 256)]
+
+
+def test_requests_are_bounded_to_the_model_and_to_whole_blocks():
+    r = ranges.Range(256, 52)
+    assert LAYOUT.parse_request(ranges.encode_request(r)) == r
+    for bad in (ranges.Range(990, 20), ranges.Range(0, 0), ranges.Range(0, ranges.MAX_RANGE_ELEMENTS + 1),
+                ranges.Range(3, 61), ranges.Range(0, 100)):
+        layout = ranges.StateLayout((10 ** 9,)) if bad.length > TOTAL else LAYOUT
         with pytest.raises(ranges.BadRange):
-            ranges.parse_request(ranges.encode_request(bad), 10 ** 9 if bad.length > TOTAL else TOTAL)
+            layout.parse_request(ranges.encode_request(bad))
     with pytest.raises(ranges.BadRange):
-        ranges.parse_request(ranges.encode_request(r) + b"\0", TOTAL)
+        LAYOUT.parse_request(ranges.encode_request(r) + b"\0")
 
 
 def test_a_piece_round_trips_and_every_malformed_answer_is_refused():
-    r = ranges.Range(128, 64)
-    piece = ranges.Piece(7, np.arange(64, dtype=np.float32), -np.arange(64, dtype=np.float32))
+    r = ranges.Range(256, 308)  # the tail of tensor 0, tensors 1 and 2, the first block of tensor 3: four scales
+    scales = np.array([0.5, 0.0, 2.0, 1e-3], np.float32)
+    piece = ranges.Piece(7, np.arange(308, dtype=np.float32), (np.arange(308) % 255 - 127).astype(np.int8), scales)
     data = ranges.encode_piece(r, piece)
-    got = ranges.decode_piece(data, r, 5, 9)
-    assert got.epoch == 7 and np.array_equal(got.params, piece.params) and np.array_equal(got.momentum, piece.momentum)
+    assert len(data) == LAYOUT.answer_bytes(r) == ranges.HEADER.size + 5 * 308 + 4 * 4
+    got = LAYOUT.decode_piece(data, r, 5, 9)
+    assert got.epoch == 7 and all(np.array_equal(a, b) for a, b in zip(got[1:], piece[1:]))
 
-    nan = ranges.Piece(7, piece.params.copy(), piece.momentum.copy())
-    nan.momentum[3] = np.inf
+    def spoilt(**change) -> bytes:
+        fields = {"params": piece.params.copy(), "codes": piece.codes.copy(), "scales": piece.scales.copy()}
+        for key, (index, value) in change.items():
+            fields[key][index] = value
+        return ranges.encode_piece(r, piece._replace(**fields))
+
     bad = {
         "truncated": data[:-1],
         "longer": data + b"\0\0\0\0",
-        "another range": ranges.encode_piece(ranges.Range(192, 64), piece),
+        "another range": ranges.encode_piece(ranges.Range(0, 308), piece),
         "an epoch too old": ranges.encode_piece(r, piece._replace(epoch=4)),
         "an epoch too new": ranges.encode_piece(r, piece._replace(epoch=10)),
-        "non-finite": ranges.encode_piece(r, nan),
+        "a non-finite parameter": spoilt(params=(3, np.inf)),
+        "a non-finite scale": spoilt(scales=(1, np.nan)),
+        "a negative scale": spoilt(scales=(2, -1.0)),
+        "a scale whose codes overflow": spoilt(scales=(0, 3e38)),
+        "a code outside the 8-bit form": spoilt(codes=(5, -128)),
         "empty": b"",
     }
     for what, raw in bad.items():
         with pytest.raises(ranges.BadRange):
-            ranges.decode_piece(raw, r, 5, 9)
+            LAYOUT.decode_piece(raw, r, 5, 9)
             pytest.fail(what)
 
 
@@ -70,19 +103,21 @@ LIMIT = 150  # elements of a member's payload
 
 
 def swarm_states(rounds: int, seed: int = 0):
-    """The state (parameters, momentum) of every epoch 0..rounds of a swarm whose outer updates apply the averages
-    of two members' sparse payloads, with the node's own OuterNesterov, the rounds as the log serves them and their
-    averages (flat)."""
+    """The state (per tensor: parameters, momentum codes, momentum scales) of every epoch 0..rounds of a swarm whose
+    outer updates apply the averages of two members' sparse payloads, with the node's own OuterNesterov, the rounds
+    as the log serves them and their averages (flat)."""
     g = torch.Generator().manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in SIZES]
     outer = OuterNesterov(params, lr=LR, momentum=MU)
     for p in params:
-        outer.state[p]["momentum_buffer"].copy_(torch.randn(p.numel(), generator=g))
+        momentum8.quantize_(torch.randn(p.numel(), generator=g), outer.state[p]["momentum_codes"],
+                            outer.state[p]["momentum_scales"])
         p.grad = torch.zeros_like(p)
 
     def state():
-        flat = lambda ts: torch.cat([t.detach().reshape(-1) for t in ts]).numpy().copy()
-        return flat(params), flat(outer.state[p]["momentum_buffer"] for p in params)
+        return ([p.detach().numpy().copy() for p in params],
+                [outer.state[p]["momentum_codes"].numpy().copy() for p in params],
+                [outer.state[p]["momentum_scales"].numpy().copy() for p in params])
 
     states, logged, averages = [state()], [], []
     for epoch in range(1, rounds + 1):
@@ -101,59 +136,69 @@ def swarm_states(rounds: int, seed: int = 0):
 
 
 def piece_of(states, epoch: int, r: ranges.Range) -> ranges.Piece:
-    params, momentum = states[epoch]
-    return ranges.Piece(epoch, params[r.offset:r.end].copy(), momentum[r.offset:r.end].copy())
+    params, codes, scales = states[epoch]
+    parts = LAYOUT.parts(r)
+    return ranges.Piece(epoch, np.concatenate([params[t][lo:hi] for t, lo, hi in parts]),
+                        np.concatenate([codes[t][lo:hi] for t, lo, hi in parts]),
+                        np.concatenate([scales[p.tensor][p.first_scale:p.end_scale] for p in parts]))
+
+
+def same(a: ranges.Piece, b: ranges.Piece) -> bool:
+    return a.epoch == b.epoch and all(x.tobytes() == y.tobytes() for x, y in zip(a[1:], b[1:]))
 
 
 def test_a_range_brought_forward_is_that_range_of_the_newer_state_bit_for_bit():
     states, _, averages = swarm_states(6)
-    for r in (ranges.Range(0, 1000), ranges.Range(3, 61), ranges.Range(299, 9), ranges.Range(999, 1)):
+    for r in (ranges.Range(0, 1000), ranges.Range(256, 308), ranges.Range(300, 8), ranges.Range(564, 194),
+              ranges.Range(758, 242)):
         for have in (0, 2, 5):
-            got = ranges.bring_forward(r, piece_of(states, have, r), averages[have:], LR, MU)
-            want = piece_of(states, 6, r)
-            assert got.epoch == 6
-            assert np.array_equal(got.params, want.params) and np.array_equal(got.momentum, want.momentum)
+            got = LAYOUT.bring_forward(r, piece_of(states, have, r), averages[have:], LR, MU)
+            assert same(got, piece_of(states, 6, r))
+    assert not same(piece_of(states, 5, ranges.Range(0, 1000)), piece_of(states, 6, ranges.Range(0, 1000)))
     with pytest.raises(ValueError):  # a round that does not follow the piece's epoch
-        ranges.bring_forward(ranges.Range(0, 10), piece_of(states, 1, ranges.Range(0, 10)), averages[2:], LR, MU)
+        LAYOUT.bring_forward(ranges.Range(0, 256), piece_of(states, 1, ranges.Range(0, 256)), averages[2:], LR, MU)
 
 
 def test_ranges_of_different_epochs_assemble_into_the_newest_state():
     states, rounds, _ = swarm_states(5)
-    assembly = ranges.Assembly(TOTAL, range_elements=96)
-    epochs = [2, 5, 3, 4, 5, 2, 5, 3, 4, 5, 3]  # as donors at different epochs answered
-    assert len(epochs) == len(assembly.ranges)
+    assembly = ranges.Assembly(LAYOUT, range_elements=96)  # a block each, or the small tensors' blocks together
+    assert [r.end for r in assembly.ranges] == [256, 308, 564, 758, 1000]
+    epochs = [2, 5, 4, 5]  # as donors at different epochs answered
+    assert len(epochs) == len(assembly.ranges) - 1
     for r, epoch in zip(assembly.ranges[:-1], epochs):
         assembly.add(r, piece_of(states, epoch, r))
     assert assembly.missing() == [assembly.ranges[-1]]
-    params = [torch.zeros(n) for n in SIZES]
-    momentum = [torch.zeros(n) for n in SIZES]
+    params, (codes, scales) = [torch.zeros(n) for n in SIZES], zip(*(momentum8.zeros(torch.zeros(n)) for n in SIZES))
     with pytest.raises(ValueError):  # a range missing
-        assembly.load_into(params, momentum)
+        assembly.load_into(params, codes, scales)
     assembly.add(assembly.ranges[-1], piece_of(states, 3, assembly.ranges[-1]))
     with pytest.raises(ValueError):  # pieces of several epochs are not one state
-        assembly.load_into(params, momentum)
+        assembly.load_into(params, codes, scales)
     assert (assembly.oldest(), assembly.newest()) == (2, 5)
     assembly.bring_forward(rounds[2:], LIMIT, LR, MU)
-    assert assembly.load_into(params, momentum) == 5
-    assert np.array_equal(torch.cat(params).numpy(), states[5][0])
-    assert np.array_equal(torch.cat(momentum).numpy(), states[5][1])
+    assert assembly.load_into(params, codes, scales) == 5
+    for got, want in zip((params, codes, scales), states[5]):
+        assert [t.numpy().tobytes() for t in got] == [a.tobytes() for a in want]
 
     with pytest.raises(ValueError):  # rounds that begin after a piece's next epoch
-        stale = ranges.Assembly(TOTAL, range_elements=96)
+        stale = ranges.Assembly(LAYOUT, range_elements=96)
         stale.add(stale.ranges[0], piece_of(states, 1, stale.ranges[0]))
         stale.bring_forward(rounds[3:], LIMIT, LR, MU)
     assert stale.drop_before(2) == 1 and stale.missing() == stale.ranges
     with pytest.raises(ValueError):  # a piece of another size than its range
-        stale.add(stale.ranges[0], piece_of(states, 1, ranges.Range(0, 95)))
+        stale.add(stale.ranges[0], piece_of(states, 1, ranges.Range(0, 300)))
 
 
 def test_a_donor_serves_one_epochs_momentum_in_place_and_answers_a_bad_request_with_nothing():
     g = torch.Generator().manual_seed(1)
-    params = [torch.randn(n, generator=g).numpy() for n in (70_000, 3, 130_000, 1_000)]
-    momentum = [torch.randn(len(p), generator=g) for p in params]
-    total = sum(len(p) for p in params)
+    sizes = (70_000, 3, 130_000, 1_000)
+    layout = ranges.StateLayout(sizes)
+    params = [torch.randn(n, generator=g).numpy() for n in sizes]
+    codes, scales = zip(*(momentum8.zeros(torch.zeros(n)) for n in sizes))
+    for c, sc in zip(codes, scales):
+        momentum8.quantize_(torch.randn(c.numel(), generator=g), c, sc)
     version = [0]  # the outer optimizer's (OuterNesterov.version): odd while a step writes the momentum
-    donor = statefetch.RangeDonor(total, version=lambda: version[0], hold_wait_s=0.5)
+    donor = statefetch.RangeDonor(layout, version=lambda: version[0], hold_wait_s=0.5)
 
     async def answer(raw: bytes, meanwhile=None) -> bytes:
         out = b""
@@ -163,26 +208,28 @@ def test_a_donor_serves_one_epochs_momentum_in_place_and_answers_a_bad_request_w
             out += message.value
         return out
 
-    r = ranges.Range(69_990, 20)  # across the first two tensors and into the third
+    r = ranges.Range(69_888, 371)  # the last block of the first tensor, the second, the first block of the third
+    assert layout.parts(r) == [ranges.Part(0, 69_888, 70_000), ranges.Part(1, 0, 3), ranges.Part(2, 0, 256)]
     request = ranges.encode_request(r)
     assert asyncio.run(answer(request)) == b""  # nothing held yet
-    donor.hold(1, params, momentum)
-    piece = ranges.decode_piece(asyncio.run(answer(request)), r, 1, 1)
-    flat_p, flat_m = np.concatenate(params), torch.cat(momentum).numpy()
-    assert np.array_equal(piece.params, flat_p[r.offset:r.end])
-    assert np.array_equal(piece.momentum, flat_m[r.offset:r.end])
+    donor.hold(1, params, codes, scales)
+    piece = layout.decode_piece(asyncio.run(answer(request)), r, 1, 1)
+    assert piece.params.tobytes() == params[0][69_888:].tobytes() + params[1].tobytes() + params[2][:256].tobytes()
+    assert piece.codes.tobytes() == (codes[0][69_888:].numpy().tobytes() + codes[1].numpy().tobytes()
+                                     + codes[2][:256].numpy().tobytes())
+    assert piece.scales.tolist() == [scales[0][-1].item(), scales[1][0].item(), scales[2][0].item()]
 
     version[0] += 1  # the node's next outer step moves the momentum in place...
-    momentum[0].add_(1.0)
+    scales[0].mul_(2.0)
     version[0] += 1
     assert asyncio.run(answer(request)) == b""  # ...so it is no longer epoch 1's, and no epoch 2 came in time
-    moved = torch.cat(momentum).numpy()
-    assert not np.array_equal(moved[r.offset:r.end], flat_m[r.offset:r.end])
     # a request that arrives before the next snapshot is published is answered with that epoch's range
-    piece = ranges.decode_piece(asyncio.run(answer(request, lambda: donor.hold(2, params, momentum))), r, 2, 2)
-    assert piece.epoch == 2 and np.array_equal(piece.momentum, moved[r.offset:r.end])
+    piece = layout.decode_piece(asyncio.run(answer(request, lambda: donor.hold(2, params, codes, scales))), r, 2, 2)
+    assert piece.epoch == 2 and piece.scales[0] == scales[0][-1].item() != 0
 
-    for bad in (ranges.encode_request(ranges.Range(total - 5, 10)), b"\0" * 3):
+    total = sum(sizes)
+    for bad in (ranges.encode_request(ranges.Range(total - 5, 10)), ranges.encode_request(ranges.Range(1, 255)),
+                b"\0" * 3):
         assert asyncio.run(answer(bad)) == b""
     with pytest.raises(ValueError):
-        donor.hold(3, params[:-1], momentum)
+        donor.hold(3, params[:-1], codes, scales)

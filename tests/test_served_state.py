@@ -41,7 +41,8 @@ def test_a_download_gets_the_served_epoch_not_the_inner_updates_and_nothing_torn
         param.add_(5.0)  # inner updates move the live parameters away from the anchor
     got, error = download_as_stranger(dht)
     assert error is None, error
-    assert [t.tolist() for t in got] == [ANCHOR.tolist(), [0.0] * 10]  # the anchor and its (zero) momentum
+    # the anchor and its (zero) momentum in 8 bits: the codes and their one block's scale
+    assert [t.tolist() for t in got] == [ANCHOR.tolist(), [0] * 10, [0.0]] and got[1].dtype == torch.int8
 
     # an outer step writes the momentum: until the snapshot it makes is published, nothing is handed out
     with torch.no_grad():
@@ -58,4 +59,4 @@ def test_a_download_gets_the_served_epoch_not_the_inner_updates_and_nothing_torn
     got, error = download_as_stranger(dht)
     assert error is None, error
     assert got[0].numpy().tobytes() == stepped.tobytes()
-    assert got[1].tolist() == [1.0] * 10
+    assert got[1].tolist() == [127] * 10 and got[2].tolist() == [np.float32(1.0) / np.float32(127.0)]

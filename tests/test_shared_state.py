@@ -47,7 +47,7 @@ def test_state_is_shared_after_start_steps_and_loads(make):
 def test_without_it_pickling_moves_the_state():
     param = torch.nn.Parameter(torch.randn(300, 300))
     opt = OuterNesterov([param])
-    buffer = opt.state[param]["momentum_buffer"]
+    buffer = opt.state[param]["momentum_codes"]
     before = buffer.data_ptr()
     ForkingPickler(io.BytesIO()).dump([buffer])
     assert buffer.is_shared() and buffer.data_ptr() != before  # the hazard keep_state_shared prevents

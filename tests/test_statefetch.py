@@ -10,6 +10,7 @@ import torch
 from google.protobuf import wrappers_pb2
 from hivemind.p2p import P2P
 
+from dtrain.node.lowcomm import momentum as momentum8
 from dtrain.node.lowcomm import ranges, statefetch
 
 
@@ -17,26 +18,29 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(60)]
 
 SIZES = (70_000, 3, 130_000, 1_000)  # ranges cut across tensors
 TOTAL = sum(SIZES)
+LAYOUT = ranges.StateLayout(SIZES)
 
 
 def state(epoch: int):
     g = torch.Generator().manual_seed(epoch)
     params = [torch.randn(n, generator=g).numpy() for n in SIZES]
-    momentum = [torch.randn(n, generator=g) for n in SIZES]
-    return params, momentum
+    codes, scales = zip(*(momentum8.zeros(torch.zeros(n)) for n in SIZES))
+    for c, s in zip(codes, scales):
+        momentum8.quantize_(torch.randn(c.numel(), generator=g), c, s)
+    return params, codes, scales
 
 
 def test_ranges_come_from_several_donors_and_a_failing_donors_ranges_go_to_the_others():
-    params, momentum = state(5)
-    good, stalls, liar = (statefetch.RangeDonor(TOTAL) for _ in range(3))
+    params, codes, scales = state(5)
+    good, stalls, liar = (statefetch.RangeDonor(LAYOUT) for _ in range(3))
     for donor in (good, stalls, liar):
-        donor.hold(5, params, momentum)
-    liar.hold(5, params, [m * 2 for m in momentum])  # the same ranges, other momentum: refused by no check...
+        donor.hold(5, params, codes, scales)
+    liar.hold(5, params, codes, [s * 2 for s in scales])  # the same ranges, other momentum: refused by no check...
     liar._held = liar._held._replace(epoch=99)  # ...but an epoch far from the swarm's is
     asked, streamed = [], []  # the ranges the stalling donor was asked for, and those it streamed whole
 
     async def stall_after_two(request, context):
-        r = ranges.parse_request(request.value, TOTAL)
+        r = LAYOUT.parse_request(request.value)
         asked.append(r)
         if len(asked) > 2:  # a donor that dies mid-download: no answer, ever
             await asyncio.sleep(3600)
@@ -52,15 +56,15 @@ def test_ranges_come_from_several_donors_and_a_failing_donors_ranges_go_to_the_o
             for server, handler in zip(servers, (good.serve, stall_after_two, liar.serve)):
                 await server.add_protobuf_handler(statefetch.RANGE_HANDLER, handler, wrappers_pb2.BytesValue,
                                                   stream_output=True)
-            assembly, sources = ranges.Assembly(TOTAL, range_elements=8192), {}
+            assembly, sources = ranges.Assembly(LAYOUT, range_elements=8192), {}
 
             def on_piece(donor, r, piece):
                 assembly.add(r, piece)
                 sources[r] = donor
 
             donors = [s.peer_id for s in servers]
-            failed = await statefetch.fetch_ranges(client, donors, assembly.ranges, 0, 20, on_piece, in_flight=2,
-                                                   timeout_s=2.0)
+            failed = await statefetch.fetch_ranges(client, LAYOUT, donors, assembly.ranges, 0, 20, on_piece,
+                                                   in_flight=2, timeout_s=2.0)
             return assembly, sources, failed, donors
         finally:
             await client.shutdown()
@@ -76,8 +80,8 @@ def test_ranges_come_from_several_donors_and_a_failing_donors_ranges_go_to_the_o
     from_stalls = {r for r, d in sources.items() if d == stalls_id}
     assert len(asked) >= 3 and len(streamed) == 2 and from_stalls <= set(streamed), (asked, streamed, from_stalls)
     assert {r for r, d in sources.items() if d == good_id} == set(assembly.ranges) - from_stalls
-    flat_params = [torch.zeros(n) for n in SIZES]
-    flat_momentum = [torch.zeros(n) for n in SIZES]
-    assert assembly.load_into(flat_params, flat_momentum) == 5
-    assert all(np.array_equal(a.numpy(), b) for a, b in zip(flat_params, params))
-    assert all(torch.equal(a, b) for a, b in zip(flat_momentum, momentum))
+    got_params = [torch.zeros(n) for n in SIZES]
+    got_codes, got_scales = zip(*(momentum8.zeros(p) for p in got_params))
+    assert assembly.load_into(got_params, got_codes, got_scales) == 5
+    assert all(np.array_equal(a.numpy(), b) for a, b in zip(got_params, params))
+    assert all(torch.equal(a, b) for a, b in zip(got_codes + got_scales, codes + scales))

@@ -6,7 +6,8 @@ optimizer's parameter groups and non-tensor state, the model config, the sync mo
 read. `dtrain-export --checkpoint DIR` turns one into a Hugging Face directory.
 
 A low-comm node's checkpoint (docs/low-communication.md) holds the swarm's parameters at its epoch (the round's
-anchor) under `model.`, the outer Nesterov step's momentum as its optimizer state, and the round in progress
+anchor) under `model.`, the outer Nesterov step's momentum as its optimizer state (in 8 bits, its codes and scales:
+node.lowcomm.momentum; files of earlier versions hold it in f32, rounded so when read), and the round in progress
 (`RoundState`): the inner updates' parameters under `lowcomm.inner.<index>`, the error feedback under
 `lowcomm.feedback.<index>` (sparse codec), the inner AdamW's state under `inner_optimizer.<index>.<key>`, and the
 inner updates' count and the inner AdamW's groups in the `lowcomm` metadata; <index> is the parameter's position in
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dtrain.node.config import ModelConfig
+from dtrain.node.lowcomm import momentum as momentum8
 
 logger = get_logger(__name__)
 
@@ -65,7 +68,7 @@ class Checkpoint:
         if self.sync is not None:
             return self.sync
         keys = {key for state in self.optimizer_state["state"].values() for key in state}
-        return "low-comm" if "momentum_buffer" in keys else "per-step"
+        return "low-comm" if "momentum_codes" in keys else "per-step"
 
 
 def _optimizer_tensors(prefix: str, state_dict: dict, tensors: dict) -> dict[str, dict[str, Any]]:
@@ -94,6 +97,22 @@ def _optimizer_state(prefix: str, tensors: dict, scalars_json: str, groups_json:
             if key != "params" and isinstance(value, list):
                 group[key] = tuple(value)
     return {"state": state, "param_groups": groups}
+
+
+def _momentum_in_8_bits(state_dict: dict) -> dict:
+    """A low-comm file of an earlier version holds the outer momentum in f32 ("momentum_buffer"): rounded to the
+    8-bit form the node keeps it in (node.lowcomm.momentum), as its next outer step would."""
+    if not any("momentum_buffer" in state for state in state_dict["state"].values()):
+        return state_dict
+    for state in state_dict["state"].values():
+        buf = state.pop("momentum_buffer", None)
+        if torch.is_tensor(buf):
+            codes, scales = momentum8.zeros(buf)
+            momentum8.quantize_(buf.to(torch.float32), codes, scales)
+            state.update(momentum_codes=codes, momentum_scales=scales)
+    for group in state_dict["param_groups"]:
+        group.setdefault("momentum_block", momentum8.BLOCK)
+    return state_dict
 
 
 def _indexed(prefix: str, tensors: dict) -> list:
@@ -157,8 +176,8 @@ def load(directory: str | Path) -> Optional[Checkpoint]:
                 raise CheckpointError(f"{path}: not a dtrain checkpoint (format {metadata.get('format')!r})")
             tensors = {key: f.get_tensor(key) for key in f.keys()}
         params = {key[len("model."):]: t for key, t in tensors.items() if key.startswith("model.")}
-        optimizer_state = _optimizer_state("optimizer", tensors, metadata["optimizer_scalars"],
-                                           metadata["param_groups"])
+        optimizer_state = _momentum_in_8_bits(_optimizer_state("optimizer", tensors, metadata["optimizer_scalars"],
+                                                               metadata["param_groups"]))
         round_ = None
         if "lowcomm" in metadata:
             info = json.loads(metadata["lowcomm"])
@@ -180,7 +199,7 @@ def load(directory: str | Path) -> Optional[Checkpoint]:
         raise CheckpointError(f"{path}: cannot be read as a dtrain checkpoint ({e!r})") from None
 
 
-MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")  # optimizer state tensors of a parameter's shape
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "momentum_codes")  # optimizer state tensors of a parameter's shape
 
 
 def check_fits(checkpoint: Checkpoint, where: str, model: torch.nn.Module, sync: str,
@@ -228,3 +247,8 @@ def _check_optimizer(state_dict: dict, shapes: list, what: str) -> None:
             if key in state and tuple(state[key].shape) != shapes[index]:
                 raise CheckpointError(f"{what}: parameter {index}'s {key} has shape {tuple(state[key].shape)}, "
                                       f"the parameter's is {shapes[index]}")
+        scales = state.get("momentum_scales")
+        want = (momentum8.blocks(math.prod(shapes[index])),)
+        if scales is not None and tuple(scales.shape) != want:
+            raise CheckpointError(f"{what}: parameter {index}'s momentum_scales has shape {tuple(scales.shape)}, "
+                                  f"not {want} (a scale per {momentum8.BLOCK} elements)")

@@ -5,7 +5,7 @@ With `--wire-codec sparse` a node's outer update is a function of the round's me
 payloads, the same average, the same outer Nesterov step, the same bits on every node (node.lowcomm.gather). So a
 node that holds the state of epoch e (parameters and outer momentum) and the records of rounds e+1..E (every
 member's payload and weight: node.lowcomm.record) computes the state of epoch E exactly, for what the rounds' members
-received (0.33 bytes per model element per member at top-0.2) instead of the parameters and the momentum (8 bytes
+received (0.33 bytes per model element per member at top-0.2) instead of the parameters and the momentum (5 bytes
 per parameter); it replays only while that is the smaller. Every node keeps the records of its last MAX_ROUNDS
 outer updates and serves them (LOG_HANDLER); a node behind asks a peer that serves the swarm's epoch, applies them,
 and serves the result only if its digest is what the peers publish for that epoch. Anything else (a gap in the log,
@@ -30,6 +30,7 @@ from google.protobuf import wrappers_pb2
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.utils.logging import get_logger
 
+from dtrain.node.lowcomm import momentum as momentum8
 from dtrain.node.lowcomm import record, sparse
 from dtrain.node.lowcomm.gather import RoundFiles
 from dtrain.node.snapshot import params_digest
@@ -54,7 +55,7 @@ class BadRoundLog(ValueError):
     """An answer that is not the rounds asked for, in this format, for a model of this size."""
 
 
-STATE_BYTES_PER_ELEMENT = 8.0  # a download: the parameters and the outer momentum, fp32
+STATE_BYTES_PER_ELEMENT = momentum8.STATE_BYTES_PER_ELEMENT  # a download: f32 parameters, 8-bit outer momentum
 
 
 def fetch_timeout(count: int, peers: int, fraction: float, total: int, link_mbit: float) -> Deadline:

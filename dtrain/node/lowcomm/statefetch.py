@@ -3,7 +3,8 @@
 
 Donor: `RangeDonor` answers RANGE_HANDLER requests for ranges (node.lowcomm.ranges) of the state it serves, gated by
 the swarm key like the node's other RPCs: the parameters of the published snapshot (immutable) and the outer
-momentum of the same epoch, read from the optimizer's own tensors, with no copy of them. The outer optimizer's
+momentum of the same epoch (its 8-bit codes and scales: node.lowcomm.momentum), read from the optimizer's own tensors,
+with no copy of them. The outer optimizer's
 version (lowcomm.outer.OuterNesterov.version) says when the momentum is still that epoch's: a range copied between
 two reads of the same even version, the one of the snapshot's publication, is one epoch's bytes. Once the next outer
 step (or a download) has moved it, an answer waits for the next published snapshot and serves that epoch's range.
@@ -31,6 +32,7 @@ from google.protobuf import wrappers_pb2
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.utils.logging import get_logger
 
+from dtrain.node.lowcomm import momentum as momentum8
 from dtrain.node.lowcomm import ranges, roundlog
 from dtrain.node.snapshot import params_digest
 from dtrain.node.swarm.agreement import reference_of
@@ -53,18 +55,12 @@ MAX_PASSES = 10  # passes (donors read afresh, missing or stale ranges asked aga
 class Held(NamedTuple):
     epoch: int
     params: tuple[np.ndarray, ...]  # per tensor, flat float32 (a snapshot's immutable copies)
-    starts: tuple[int, ...]  # each tensor's first element in the flat order
-    momentum: tuple[np.ndarray, ...]  # per tensor, flat float32: views of the outer optimizer's live tensors
-    version: int  # the outer optimizer's version while `momentum` is this epoch's
+    codes: tuple[np.ndarray, ...]  # per tensor, flat int8: views of the outer optimizer's live momentum codes
+    scales: tuple[np.ndarray, ...]  # per tensor, float32: views of their live scales
+    version: int  # the outer optimizer's version while the momentum is this epoch's
 
 
-def _slice(arrays: Sequence[np.ndarray], starts: Sequence[int], r: ranges.Range) -> np.ndarray:
-    """Elements [r.offset, r.end) of the flat concatenation of `arrays` without making it."""
-    parts = []
-    for a, start in zip(arrays, starts):
-        lo, hi = max(r.offset, start), min(r.end, start + len(a))
-        if lo < hi:
-            parts.append(a[lo - start:hi - start])
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts) if len(parts) != 1 else parts[0]
 
 
@@ -72,12 +68,13 @@ class RangeDonor:
     """Serves ranges of the state this node serves (see the module docstring); `hold` runs on the training thread
     after every published snapshot, the answers on the node service's loop."""
 
-    def __init__(self, total: int, service=None, serve_mbit: float = 0.0, version: Callable[[], int] = lambda: 0,
-                 hold_wait_s: float = HOLD_WAIT_S):
-        """`service`: the node's node.swarm.service.NodeService, which then serves `serve` as RANGE_HANDLER (gated
-        by the swarm key). `serve_mbit`: the bound on the bytes it streams, all requests together (0: none).
-        `version`: the outer optimizer's version (OuterNesterov.version), even while nothing writes its momentum."""
-        self._total = total
+    def __init__(self, layout: ranges.StateLayout, service=None, serve_mbit: float = 0.0,
+                 version: Callable[[], int] = lambda: 0, hold_wait_s: float = HOLD_WAIT_S):
+        """`layout`: the model's tensors. `service`: the node's node.swarm.service.NodeService, which then serves
+        `serve` as RANGE_HANDLER (gated by the swarm key). `serve_mbit`: the bound on the bytes it streams, all
+        requests together (0: none). `version`: the outer optimizer's version (OuterNesterov.version), even while
+        nothing writes its momentum."""
+        self._layout = layout
         self._pace = UploadPace(serve_mbit)
         self._version, self._hold_wait_s = version, hold_wait_s
         self._held: Optional[Held] = None  # replaced whole, never changed
@@ -85,30 +82,36 @@ class RangeDonor:
         if service is not None:
             service.add_handler(RANGE_HANDLER, self.serve, wrappers_pb2.BytesValue, stream_output=True)
 
-    def hold(self, epoch: int, params: Sequence[np.ndarray], momentum: Sequence[torch.Tensor]) -> None:
-        """Serve epoch `epoch`: `params` are its snapshot's arrays, `momentum` the outer optimizer's tensors, which
-        hold this epoch's momentum now (they are read in place, never copied)."""
-        starts = tuple(np.cumsum([0] + [len(a) for a in params[:-1]]).tolist())
-        flat_momentum = tuple(m.detach().reshape(-1).numpy() for m in momentum)
-        if sum(len(a) for a in params) != self._total or sum(len(m) for m in flat_momentum) != self._total:
+    def hold(self, epoch: int, params: Sequence[np.ndarray], codes: Sequence[torch.Tensor],
+             scales: Sequence[torch.Tensor]) -> None:
+        """Serve epoch `epoch`: `params` are its snapshot's arrays, `codes` and `scales` the outer optimizer's
+        momentum tensors, which hold this epoch's momentum now (they are read in place, never copied)."""
+        flat_codes = tuple(c.detach().reshape(-1).numpy() for c in codes)
+        flat_scales = tuple(s.detach().reshape(-1).numpy() for s in scales)
+        sizes = list(self._layout.sizes)
+        if [len(a) for a in params] != sizes or [len(c) for c in flat_codes] != sizes or \
+                [len(s) for s in flat_scales] != [momentum8.blocks(n) for n in sizes]:
             raise ValueError(f"a state of {sum(len(a) for a in params)} parameters and "
-                             f"{sum(len(m) for m in flat_momentum)} momentum values, not {self._total}")
-        self._held = Held(epoch, tuple(params), starts, flat_momentum, self._version())
+                             f"{sum(len(c) for c in flat_codes)} momentum codes, not this model's "
+                             f"{self._layout.total} in its tensors")
+        self._held = Held(epoch, tuple(params), flat_codes, flat_scales, self._version())
 
     def piece(self, r: ranges.Range) -> Optional[ranges.Piece]:
         """Range `r` of the epoch held, while the momentum is still that epoch's; else None."""
         held = self._held
         if held is None or held.version % 2 or self._version() != held.version:
             return None
-        momentum = _slice(held.momentum, held.starts, r).copy()
+        parts = self._layout.parts(r)
+        codes = _joined([held.codes[t][lo:hi] for t, lo, hi in parts]).copy()
+        scales = _joined([held.scales[part.tensor][part.first_scale:part.end_scale] for part in parts]).copy()
         if self._version() != held.version:  # an outer step began while it was copied
             return None
-        return ranges.Piece(held.epoch, _slice(held.params, held.starts, r), momentum)
+        return ranges.Piece(held.epoch, _joined([held.params[t][lo:hi] for t, lo, hi in parts]), codes, scales)
 
     async def serve(self, request: wrappers_pb2.BytesValue,
                      context: P2PContext) -> AsyncIterator[wrappers_pb2.BytesValue]:
         try:
-            r = ranges.parse_request(request.value, self._total)
+            r = self._layout.parse_request(request.value)
         except ranges.BadRange as e:
             logger.debug(f"Refused a range request from {context.remote_id}: {e}")
             return
@@ -125,10 +128,11 @@ class RangeDonor:
             yield wrappers_pb2.BytesValue(value=chunk)
 
 
-async def fetch_range(p2p: P2P, peer: PeerID, r: ranges.Range, min_epoch: int, max_epoch: int,
-                      timeout_s: float) -> ranges.Piece:
-    """One range from `peer`, checked (ranges.decode_piece); BadRange once it streams more than the range's bytes."""
-    limit = ranges.answer_bytes(r)
+async def fetch_range(p2p: P2P, peer: PeerID, layout: ranges.StateLayout, r: ranges.Range, min_epoch: int,
+                      max_epoch: int, timeout_s: float) -> ranges.Piece:
+    """One range from `peer`, checked (StateLayout.decode_piece); BadRange once it streams more than the range's
+    bytes."""
+    limit = layout.answer_bytes(r)
 
     async def receive() -> bytes:
         request = wrappers_pb2.BytesValue(value=ranges.encode_request(r))
@@ -141,10 +145,11 @@ async def fetch_range(p2p: P2P, peer: PeerID, r: ranges.Range, min_epoch: int, m
             chunks.append(message.value)
         return b"".join(chunks)
 
-    return ranges.decode_piece(await asyncio.wait_for(receive(), timeout_s), r, min_epoch, max_epoch)
+    return layout.decode_piece(await asyncio.wait_for(receive(), timeout_s), r, min_epoch, max_epoch)
 
 
-async def fetch_ranges(p2p: P2P, donors: Sequence[PeerID], todo: Sequence[ranges.Range], min_epoch: int,
+async def fetch_ranges(p2p: P2P, layout: ranges.StateLayout, donors: Sequence[PeerID],
+                       todo: Sequence[ranges.Range], min_epoch: int,
                        max_epoch: int, on_piece: Callable[[PeerID, ranges.Range, ranges.Piece], None],
                        in_flight: int = IN_FLIGHT, timeout_s: float = RANGE_TIMEOUT_S) -> dict[PeerID, str]:
     """Ask `donors` for the ranges of `todo`, `in_flight` at a time each, until every range came or every donor
@@ -170,7 +175,7 @@ async def fetch_ranges(p2p: P2P, donors: Sequence[PeerID], todo: Sequence[ranges
             asked = fetching.setdefault(r, set())
             asked.add(donor)
             try:
-                piece = await fetch_range(p2p, donor, r, min_epoch, max_epoch, timeout_s)
+                piece = await fetch_range(p2p, donor, layout, r, min_epoch, max_epoch, timeout_s)
             except Exception as e:  # no answer, a timeout, a wrong answer: the range goes to another donor
                 failed.setdefault(donor, repr(e))
                 asked.discard(donor)
@@ -203,7 +208,7 @@ class SpreadDownload:
         outer = swarm.optimizer.state_averager.optimizer
         self._outer = outer
         self._lr, self._mu = outer.param_groups[0]["lr"], outer.param_groups[0]["momentum"]
-        self.assembly = ranges.Assembly(self._total)
+        self.assembly = ranges.Assembly(ranges.StateLayout(p.numel() for p in self._params))
         self.sources: Counter = Counter()  # ranges received per donor
         self._progress_at = 0.0  # when the last range came (monotonic)
 
@@ -267,9 +272,10 @@ class SpreadDownload:
             self._progress_at = time.monotonic()
             self.sources[str(donor)] += 1
 
-        logger.info(f"Downloading {len(todo)} ranges of the state ({8 * sum(r.length for r in todo) / 1e6:.1f} MB) "
+        mb = sum(self.assembly.layout.answer_bytes(r) for r in todo) / 1e6
+        logger.info(f"Downloading {len(todo)} ranges of the state ({mb:.1f} MB) "
                     f"from {len(donors)} donors: {', '.join(str(d) for d in donors)}")
-        future = service.submit(fetch_ranges(service.p2p, donors, todo, lo, hi, on_piece))
+        future = service.submit(fetch_ranges(service.p2p, self.assembly.layout, donors, todo, lo, hi, on_piece))
         while True:
             self._announce()
             try:
@@ -311,9 +317,10 @@ class SpreadDownload:
         if found is None and epoch > 0:
             logger.info(f"No peer publishes its bytes for epoch {epoch}: nothing to check the ranges against")
             return False
-        momentum = [self._outer.state[p]["momentum_buffer"] for p in self._params]
+        state = [self._outer.state[p] for p in self._params]
         with self._outer.writing():  # a range donor reading them sees them move
-            self.assembly.load_into(self._params, momentum)
+            self.assembly.load_into(self._params, [s["momentum_codes"] for s in state],
+                                    [s["momentum_scales"] for s in state])
         digest = params_digest(self._model)
         if not (digest == found[1].digest if found is not None else self._agreement.is_epoch_zero(digest)):
             logger.warning(f"The ranges assembled for epoch {epoch} are not the bytes the peers publish")
@@ -322,5 +329,5 @@ class SpreadDownload:
         took = time.monotonic() - began
         per_donor = ", ".join(f"{peer} {n}" for peer, n in self.sources.most_common())
         logger.info(f"Downloaded the state of epoch {epoch} in ranges from {len(self.sources)} donors in {took:.1f}s "
-                    f"({8 * self._total / 1e6:.1f} MB; ranges per donor: {per_donor})")
+                    f"({ranges.BYTES_PER_ELEMENT * self._total / 1e6:.1f} MB; ranges per donor: {per_donor})")
         return True

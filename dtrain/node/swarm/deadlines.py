@@ -39,9 +39,9 @@ from dtrain.node.config import SwarmConfig
 logger = get_logger(__name__)
 
 DEADLINE_PEERS = 4  # the group size a round's deadline is sized for
-# a state download's bytes per parameter: the parameters and the outer momentum (low-comm), or the parameters and
-# both Adam moments (per-step), in fp32
-STATE_BYTES_PER_ELEMENT = {"low-comm": 8.0, "per-step": 12.0}
+# a state download's bytes per parameter: the f32 parameters and the outer momentum in 8 bits (low-comm:
+# node.lowcomm.momentum.STATE_BYTES_PER_ELEMENT), or the parameters and both Adam moments in f32 (per-step)
+STATE_BYTES_PER_ELEMENT = {"low-comm": 4 + 1 + 4 / 256, "per-step": 12.0}
 RETIME_WAIT_S = 10.0  # bound on an averager's process taking a new deadline (it answers between its own tasks)
 RETIME_MIN_CHANGE = 0.05  # a deadline that moved by less than this fraction is left as it is
 MARGIN = 3.0  # a round may take this many times its bytes' transfer time: TCP ramp-up, uneven peers, a busy host

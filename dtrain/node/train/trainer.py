@@ -34,6 +34,7 @@ from dtrain.node.data import TokenDataset
 from dtrain.node.device import resolve as resolve_device, threads_now
 from dtrain.node.lowcomm import codec as lowcomm_codec
 from dtrain.node.lowcomm.outer import OuterNesterov
+from dtrain.node.lowcomm.ranges import StateLayout
 from dtrain.node.lowcomm.rounds import InnerRounds
 from dtrain.node.lowcomm.roundlog import CatchUp
 from dtrain.node.lowcomm.statefetch import RangeDonor
@@ -337,8 +338,8 @@ class TrainingNode:
             if fraction is not None and cfg.swarm.state_donors > 0 and not swarm.client_mode:
                 # nobody can dial a client-mode peer
                 outer = opt.state_averager.optimizer
-                self.donor = RangeDonor(self.total_params, swarm.service, cfg.swarm.serve_state_mbit,
-                                        version=lambda: outer.version)
+                self.donor = RangeDonor(StateLayout(p.numel() for p in self.model.parameters()), swarm.service,
+                                        cfg.swarm.serve_state_mbit, version=lambda: outer.version)
         self.publisher = StepPublisher(self.model, swarm, self.agreement, self.gradient, self.pool, self.low_comm,
                                        donor=self.donor, losses=self._losses)
         for callback in self._snapshot_listeners:
