@@ -103,6 +103,7 @@ def test_the_founder_keeps_training_while_a_joiner_downloads_and_when_it_comes_b
                            "a round of A and B, back", 1.0)
             a_log = a.output()
             a_updates, a_no_group = stamped(a_log, UPDATE), stamped(a_log, NO_GROUP)
+            assert "may take itself for alone" in first_b  # A trained alone: B let it read its announcement first
             downloads = windows(first_b) + windows(back.output())
             assert len(windows(first_b)) >= 1 and len(windows(back.output())) >= 1, downloads
             timed = [(s, e) for s, e in downloads if e - s >= MIN_WINDOW_S]

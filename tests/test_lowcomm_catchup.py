@@ -110,6 +110,7 @@ def test_joiners_take_the_start_as_built_catch_up_by_replay_and_download_ranges_
             d = start("D", donor_args, peers)
             wait_until(lambda: "ranges of the state" in d.output(), 120, "D to begin its download", 0.2)
             assert b_id in d.output().split("ranges of the state")[1].splitlines()[0]  # B is one of the donors
+            assert "may take itself for alone" not in d.output()  # A and B see each other: no wait before it
             time.sleep(KILL_AFTER_S)
             b.kill()
             d.wait_ready(180)

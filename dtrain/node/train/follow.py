@@ -61,10 +61,14 @@ class SwarmFollower:
         """A joiner serves nothing the swarm disagrees with: it downloads until the bytes agree (bounded)."""
         node = self.node
         swarm = node.config.swarm
-        # every node reads this one's announcement before a donor copies its state: a node alone until then makes an
-        # update of every inner step (the spec's single server), which no round log holds, so a state copied before
-        # its last such update lands behind it with nothing to replay, and the joiner downloads it all again
-        if any(peer != node.swarm.peer_id for peer in node.presence.refresh(0, 0)):
+        # a node alone until it reads this one's announcement makes an update of every inner step (the spec's single
+        # server), which no round log holds, so a state copied before its last such update lands behind it with
+        # nothing to replay, and the joiner downloads it all again: with one other node, it waits for that node to
+        # read the announcement. Two or more see each other and none is alone: the download begins at once
+        others = [peer for peer in node.presence.refresh(0, 0) if peer != node.swarm.peer_id]
+        if len(others) == 1:
+            logger.info(f"Node {others[0]} may take itself for alone: waiting {JOIN_ANNOUNCE_S:g}s for it to read "
+                        f"this node's announcement before the download")
             self.stop.wait(JOIN_ANNOUNCE_S)
         if node.low_comm and swarm.wire_codec == "sparse" and swarm.state_donors > 0:
             node.presence.refresh(0, 0)  # announced while it downloads, as below
