@@ -334,7 +334,7 @@ class CatchUp:
                         f"costs less than replaying them")
             return False
         began = time.monotonic()
-        fetched, source = self._fetch(self._donors(records, digest), after, count, peers) if count else ([], "")
+        fetched, source = self.fetch_rounds(self._donors(records, digest), after, count, peers) if count else ([], "")
         if fetched is None:
             return False
         rounds = collected + fetched
@@ -362,7 +362,7 @@ class CatchUp:
         return [peer for peer, r in sorted(records.items(), key=lambda item: -item[1].priority)
                 if r.digest == digest and not r.client and peer != self._swarm.peer_id]
 
-    def _fetch(self, donors: Sequence[str], after: int, count: int, peers: int,
+    def fetch_rounds(self, donors: Sequence[str], after: int, count: int, peers: int,
                some: bool = False) -> tuple[Optional[list[Round]], str]:
         """The `count` rounds after epoch `after` (`some`: as many of them as a donor holds, at least one) from the
         first MAX_DONORS of `donors` that answers with them: (the rounds, the donor), or (None, "")."""
@@ -422,7 +422,7 @@ class CatchUp:
         while not done.wait(COLLECT_EVERY_S):
             try:  # whatever the peers' logs hold after the last round collected
                 peers = max(2, opt.tracker.global_progress.num_peers)
-                rounds, _ = self._fetch(donors, after, MAX_ROUNDS, peers, some=True)
+                rounds, _ = self.fetch_rounds(donors, after, MAX_ROUNDS, peers, some=True)
             except Exception as e:  # the download goes on; the replay after it fetches what is missing
                 logger.debug(f"Collecting rounds after epoch {after} failed: {e!r}")
                 continue

@@ -198,9 +198,9 @@ class SpreadDownload:
     `swarm` is the node's node.swarm.swarm.Swarm, `agreement` its node.swarm.agreement.Agreement; `announce` is
     called every few seconds while it downloads (the node's presence, so its peers make rounds meanwhile)."""
 
-    def __init__(self, swarm, agreement, model: torch.nn.Module, fraction: float, max_donors: int,
-                 stop: threading.Event, announce: Callable[[], None] = lambda: None):
-        self._swarm, self._agreement, self._model = swarm, agreement, model
+    def __init__(self, swarm, agreement, model: torch.nn.Module, catchup: roundlog.CatchUp, fraction: float,
+                 max_donors: int, stop: threading.Event, announce: Callable[[], None] = lambda: None):
+        self._swarm, self._agreement, self._model, self._catchup = swarm, agreement, model, catchup
         self._params = list(model.parameters())
         self._total = sum(p.numel() for p in self._params)
         self._limit = roundlog.member_limit([p.numel() for p in self._params], fraction)
@@ -289,24 +289,17 @@ class SpreadDownload:
             logger.info(f"Donor {donor} failed ({why}); its ranges went to the others")
 
     def _bring_forward(self, newest: int, donors: list[PeerID]) -> bool:
+        """The older pieces brought to epoch `newest` with the rounds in between, from a donor's round log (fetched
+        as a node behind fetches them: within the time their bytes take at --link-mbit, x3)."""
         oldest = self.assembly.oldest()
-        count = newest - oldest
-        for donor in donors:
-            try:
-                data = self._swarm.service.run(roundlog.fetch(
-                    self._swarm.service.p2p, donor, oldest, count,
-                    roundlog.max_answer_bytes(count, self._total, self._limit), roundlog.FETCH_TIMEOUT_S),
-                    roundlog.FETCH_TIMEOUT_S + 5.0)
-                rounds = roundlog.unframe(data, oldest, count, self._total, self._limit)
-            except Exception as e:
-                logger.info(f"No round log from {donor}: {e!r}")
-                continue
-            if len(rounds) == count:
-                self.assembly.bring_forward(rounds, self._limit, self._lr, self._mu)
-                logger.info(f"Brought the ranges of epochs {oldest}..{newest - 1} to epoch {newest} with the "
-                            f"rounds from {donor}")
-                return True
-        return False
+        peers = max(2, self._swarm.optimizer.tracker.global_progress.num_peers)
+        rounds, donor = self._catchup.fetch_rounds([d.to_base58() for d in donors], oldest, newest - oldest, peers)
+        if rounds is None:
+            return False
+        self.assembly.bring_forward(rounds, self._limit, self._lr, self._mu)
+        logger.info(f"Brought the ranges of epochs {oldest}..{newest - 1} to epoch {newest} with the rounds from "
+                    f"{donor}")
+        return True
 
     def _check(self, began: float) -> bool:
         epoch = self.assembly.newest()

@@ -72,8 +72,9 @@ class SwarmFollower:
             self.stop.wait(JOIN_ANNOUNCE_S)
         if node.low_comm and swarm.wire_codec == "sparse" and swarm.state_donors > 0:
             node.presence.refresh(0, 0)  # announced while it downloads, as below
-            spread = SpreadDownload(node.swarm, node.agreement, node.model, swarm.topk_fraction, swarm.state_donors,
-                                    self.stop, announce=lambda: node.presence.due() and node.presence.refresh(0, 0))
+            spread = SpreadDownload(node.swarm, node.agreement, node.model, node.catchup, swarm.topk_fraction,
+                                    swarm.state_donors, self.stop,
+                                    announce=lambda: node.presence.due() and node.presence.refresh(0, 0))
             try:
                 if spread.run(timeout_s):
                     return Download.CHECKED
