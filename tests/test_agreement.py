@@ -12,11 +12,12 @@ import torch
 from dtrain.node.swarm import swarm
 from dtrain.node.train.adamw import make_local_optimizer
 from dtrain.node.swarm.agreement import KEEP_EPOCHS, Agreement, Download
+from dtrain.node.swarm.presence import Presence
 from dtrain.node.config import ModelConfig, SwarmConfig, TrainConfig
 from dtrain.node.model import build_model
 from dtrain.node.snapshot import make_snapshot, params_digest
 from dtrain.node.swarm.optimizer import RoundOutcome
-from tests.nodeproc import TINY_CONFIG, new_run_id
+from tests.nodeproc import TINY_CONFIG, new_run_id, wait_until
 
 pytestmark = pytest.mark.swarm
 
@@ -38,8 +39,10 @@ class Peer:
         self.opt.state_averager.state_sharing_priority = epoch + bonus
         self.opt.tracker.report_local_progress(epoch, 0)
         self.stop = threading.Event()
+        # announced by nobody (no Presence.refresh here): a peer counts as alive while it is connected
+        self.presence = Presence(self.swarm.dht, self.swarm.run_id, self.swarm.owner, self.swarm.maddrs, 0)
         self.agreement = Agreement(self.swarm.dht, self.opt, self.model, self.config, self.stop, seed_digest,
-                                   self.swarm.owner)
+                                   self.swarm.owner, present=lambda: self.presence.alive(self.swarm.service))
 
     def snapshot(self):
         return make_snapshot(self.model, self.opt.local_epoch)
@@ -85,6 +88,31 @@ def test_peers_of_one_round_serve_the_reference_bytes_with_both_gradients(peers)
     records = reference.agreement.records(EPOCH)
     assert {r.digest for r in records.values()} == {ref_snap.digest}
     assert all(r.served for r in records.values())
+
+
+def test_a_member_that_died_after_the_round_is_not_waited_for_and_a_live_silent_one_is(peers):
+    """A member that dies right after a complete round publishes no record: its group waited the whole group wait
+    for it. A member neither announced nor connected is waited for no longer; one still connected (a live node whose
+    update is slow) is waited for as before."""
+    reference, other = peers
+    dead = Peer(reference.swarm.run_id, initial_peers=reference.swarm.maddrs)
+    dead_id = dead.peer_id
+    wait_until(lambda: dead_id in reference.presence.alive(reference.swarm.service), 30, "the dead peer's connection")
+    dead.shutdown()
+    snap = reference.snapshot()
+    began = time.monotonic()
+    verdict = reference.agreement.after_update(snap, RoundOutcome(EPOCH, (reference.peer_id, dead_id), clean=True))
+    took = time.monotonic() - began
+    assert verdict.snapshot is snap and verdict.included
+    assert took < reference.agreement.group_wait_s - 1.0, (took, reference.agreement.group_wait_s)
+
+    # `other` is connected and publishes nothing for the next epoch: waited for until the group wait ends
+    reference.opt.state_averager.local_epoch = EPOCH + 1
+    began = time.monotonic()
+    later = reference.snapshot()
+    verdict = reference.agreement.after_update(later, RoundOutcome(EPOCH + 1, (reference.peer_id, other.peer_id),
+                                                                   clean=True))
+    assert time.monotonic() - began >= reference.agreement.group_wait_s and verdict.snapshot is later
 
 
 def test_a_served_update_outranks_a_later_one_which_carries_its_gradient(peers):

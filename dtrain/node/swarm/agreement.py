@@ -6,7 +6,8 @@ failed one, distinct per peer), the group whose gradients its update averaged, a
 already serves those bytes. The rule:
 
 1. A peer whose gradient round completed waits (bounded) for the records of its group; it stops waiting as soon
-   as some peer serves the epoch. A peer whose round failed does not wait.
+   as some peer serves the epoch, and stops waiting for a member that is neither announced nor connected (a peer
+   that died after the round publishes nothing and serves nothing). A peer whose round failed does not wait.
 2. The reference is the served record of highest priority if there is one, else the record of highest priority;
    a client-mode peer's record is the reference only when no full peer published one (its state can be downloaded
    by nobody, so its bytes can never be what the others serve).
@@ -29,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import Iterable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 import hivemind
 import torch
@@ -44,6 +45,7 @@ logger = get_logger(__name__)
 
 WAIT_MARGIN_S = 5.0  # added to the longest an update can take when a peer waits for the records of the others
 GROUP_MARGIN_S = 2.0  # added to one state-averaging round when a peer waits for the records of its group
+PRESENT_EVERY_S = 1.0  # how often a peer waiting for its group reads who is still announced
 RECHECK_EVERY_S = 1.0
 LOAD_ATTEMPTS = 5  # downloads of the swarm's state until its bytes match what peers published
 RETRY_S = 1.0  # pause between two downloads: the peer it came from was inside an update
@@ -122,8 +124,12 @@ class Agreement:
     updates on a thread of their own)."""
 
     def __init__(self, dht: hivemind.DHT, optimizer: SwarmOptimizer, model: torch.nn.Module, config: SwarmConfig,
-                 stop: threading.Event, seed_digest: str, owner: dht_records.RecordOwner):
+                 stop: threading.Event, seed_digest: str, owner: dht_records.RecordOwner,
+                 present: Callable[[], Optional[set[str]]] = lambda: None):
+        """`present`: the peers announced or connected now (node.swarm.presence.Presence.alive; None when that
+        cannot be read)."""
         self.dht, self.optimizer, self.model, self._stop = dht, optimizer, model, stop
+        self._present = present
         # the run's name in the DHT (keyed in a closed swarm, node.swarm.swarmkey); records are signed by `owner`
         self.run_id, self.owner, self.peer_id = optimizer.run_id, owner, owner.peer_id
         self.client = bool(optimizer.client_mode)  # records say so; such a peer sets no state-sharing priority
@@ -303,6 +309,7 @@ class Agreement:
         self._publish(epoch, mine)
         waiting_for = set(outcome.group) - {self.peer_id} if outcome.clean else set()
         deadline = time.monotonic() + self.group_wait_s
+        next_presence = time.monotonic() + PRESENT_EVERY_S
         while True:
             records = self.records(epoch)
             records[self.peer_id] = mine
@@ -312,9 +319,22 @@ class Agreement:
                 logger.info(f"update {epoch}: no record from {sorted(waiting_for - records.keys())} "
                             f"within {self.group_wait_s:.0f}s")
                 break
+            if time.monotonic() >= next_presence:
+                next_presence = time.monotonic() + PRESENT_EVERY_S
+                waiting_for -= self._gone(waiting_for - records.keys(), epoch)
             if self._stop.wait(0.05):
                 break
         return self._serve(snap, mine, records)
+
+    def _gone(self, silent: set[str], epoch: int) -> set[str]:
+        """The members of `silent` neither announced nor connected: a peer that died after the round (its
+        announcement expired, its connections closed) publishes no record and serves nothing; nobody waits for it."""
+        announced = self._present()
+        gone = silent - announced if announced is not None else set()
+        if gone:
+            logger.info(f"update {epoch}: {sorted(gone)} neither announced nor connected; not waiting for their "
+                        f"records")
+        return gone
 
     def _serve(self, snap: Snapshot | PendingSnapshot, mine: Record, records: dict[str, Record]) -> Verdict:
         epoch = snap.updates

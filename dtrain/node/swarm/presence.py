@@ -18,6 +18,7 @@ from dtrain.node.swarm import records as dht_records
 logger = get_logger(__name__)
 
 ANNOUNCE_EVERY_S = 3.0  # how often a node refreshes its record
+LIST_PEERS_TIMEOUT_S = 5.0
 TRAINING_RECENTLY_S = 30.0  # a node that reported samples this recently announces itself as training
 
 
@@ -88,6 +89,18 @@ class Presence:
         self._announce(step, pending_samples, downloading)
         self._view(dht_records.read(self._dht, self._key))
         return self.nodes
+
+    def alive(self, service) -> Optional[set[str]]:
+        """The peers announced now (read now) or connected to this node's libp2p daemon (`service`: the node's
+        node.swarm.service.NodeService); None when either read failed. A peer that is neither has gone: a live node
+        whose training thread is busy with a long update lets its announcement lapse, but keeps its connections."""
+        found = dht_records.lookup(self._dht, self._key)
+        try:
+            connected = {str(info.peer_id) for info in service.run(service.p2p.list_peers(), LIST_PEERS_TIMEOUT_S)}
+        except Exception as e:
+            logger.warning(f"Listing this node's connections failed: {e!r}")
+            return None
+        return set(found) | connected if found is not None else None
 
     def keep_fresh(self, step: int, pending_samples: int) -> None:
         """`refresh` for the training thread, which must not wait for the DHT: when due, this node announces itself

@@ -303,7 +303,7 @@ class TrainingNode:
         self.presence = Presence(swarm.dht, swarm.run_id, swarm.owner, swarm.maddrs, cfg.port,
                                  model=self.model_config.architecture(), epoch=lambda: swarm.epoch)
         self.agreement = Agreement(swarm.dht, opt, self.model, self.swarm_config, self._stop, seed_digest,
-                                   swarm.owner)
+                                   swarm.owner, present=lambda: self.presence.alive(swarm.service))
         self._rng = np.random.default_rng(int.from_bytes(swarm.peer_id.encode()[-8:], "little"))
         if self.low_comm and cfg.swarm.wire_codec == "sparse":
             # every node computes the same outer step: a node behind may replay rounds (a joiner's download too)
