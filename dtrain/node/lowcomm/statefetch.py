@@ -3,11 +3,11 @@
 
 Donor: `RangeDonor` answers RANGE_HANDLER requests for ranges (node.lowcomm.ranges) of the state it serves, gated by
 the swarm key like the node's other RPCs: the parameters of the published snapshot (immutable) and the outer
-momentum of the same epoch (its 8-bit codes and scales: node.lowcomm.momentum), read from the optimizer's own tensors,
-with no copy of them. The outer optimizer's
-version (lowcomm.outer.OuterNesterov.version) says when the momentum is still that epoch's: a range copied between
-two reads of the same even version, the one of the snapshot's publication, is one epoch's bytes. Once the next outer
-step (or a download) has moved it, an answer waits for the next published snapshot and serves that epoch's range.
+momentum of the same epoch (its 8-bit codes and scales: node.lowcomm.momentum), read from the optimizer's own
+tensors, with no copy of them. The outer optimizer's version (lowcomm.outer.OuterNesterov.version) says when the
+momentum is still that epoch's: a range copied between two reads of the same even version, the one of the
+snapshot's publication, is one epoch's bytes. Once the next outer step (or a download) has moved it, an answer waits
+for the next published snapshot and serves that epoch's range.
 
 Joiner: `SpreadDownload` asks up to N peers that serve the swarm's epoch for different ranges at once (IN_FLIGHT
 requests each); a donor that fails, answers wrong or takes longer than RANGE_TIMEOUT_S for a range is dropped and its
@@ -149,8 +149,8 @@ async def fetch_range(p2p: P2P, peer: PeerID, layout: ranges.StateLayout, r: ran
 
 
 async def fetch_ranges(p2p: P2P, layout: ranges.StateLayout, donors: Sequence[PeerID],
-                       todo: Sequence[ranges.Range], min_epoch: int,
-                       max_epoch: int, on_piece: Callable[[PeerID, ranges.Range, ranges.Piece], None],
+                       todo: Sequence[ranges.Range], min_epoch: int, max_epoch: int,
+                       on_piece: Callable[[PeerID, ranges.Range, ranges.Piece], None],
                        in_flight: int = IN_FLIGHT, timeout_s: float = RANGE_TIMEOUT_S) -> dict[PeerID, str]:
     """Ask `donors` for the ranges of `todo`, `in_flight` at a time each, until every range came or every donor
     failed; a failed donor's range goes back for the others. Once nothing is left to ask, a donor with a free slot
