@@ -12,9 +12,10 @@ for the next published snapshot and serves that epoch's range.
 Joiner: `SpreadDownload` asks up to N peers that serve the swarm's epoch for different ranges at once (IN_FLIGHT
 requests each); a donor that fails, answers wrong or takes longer than RANGE_TIMEOUT_S for a range is dropped and its
 ranges go to the others; what arrived is kept, and a pass with donors read afresh asks only for what is missing.
-Ranges older than the newest one received are brought forward with the averages of the rounds in between, from a
-donor's round log (node.lowcomm.roundlog); the state is kept only if its digest is the one the peers publish for
-its epoch. Anything else (no donor, no log of the rounds in between, another digest) returns False, and the node
+Ranges older than the newest one received, or than the epoch before the swarm's newest when the swarm moved on
+meanwhile (the peers keep records of their last epochs only), are brought forward with the averages of the rounds in
+between, from a donor's round log (node.lowcomm.roundlog); the state is kept only if its digest is the one the peers
+publish for its epoch. Anything else (no donor, no log of the rounds in between, another digest) returns False, and the node
 downloads the state as before, from one peer through hivemind.
 """
 from __future__ import annotations
@@ -232,8 +233,14 @@ class SpreadDownload:
                 if self.assembly.missing():
                     self._stop.wait(PASS_PAUSE_S)
                     continue
+            # the swarm may have moved on past every piece while they came (a large state over a slow link), past
+            # the records the peers keep of their epochs: the pieces go to the epoch before the swarm's newest (which
+            # may still be in the making), where the check finds its records, or else to their newest
             newest = self.assembly.newest()
-            if self.assembly.oldest() < newest and not self._bring_forward(newest, donors):
+            target = max(newest, self._agreement.saw(opt.tracker.global_epoch) - 1)
+            oldest = self.assembly.oldest()
+            if oldest < target and not self._bring_forward(target, donors) and \
+                    oldest < newest and not self._bring_forward(newest, donors):
                 dropped = self.assembly.drop_before(newest)
                 logger.info(f"No round log brings the older ranges to epoch {newest}: downloading {dropped} again")
                 continue
@@ -288,16 +295,16 @@ class SpreadDownload:
         for donor, why in failed.items():
             logger.info(f"Donor {donor} failed ({why}); its ranges went to the others")
 
-    def _bring_forward(self, newest: int, donors: list[PeerID]) -> bool:
-        """The older pieces brought to epoch `newest` with the rounds in between, from a donor's round log (fetched
+    def _bring_forward(self, epoch: int, donors: list[PeerID]) -> bool:
+        """Every piece older than `epoch` brought to it with the rounds in between, from a donor's round log (fetched
         as a node behind fetches them: within the time their bytes take at --link-mbit, x3)."""
         oldest = self.assembly.oldest()
         peers = max(2, self._swarm.optimizer.tracker.global_progress.num_peers)
-        rounds, donor = self._catchup.fetch_rounds([d.to_base58() for d in donors], oldest, newest - oldest, peers)
+        rounds, donor = self._catchup.fetch_rounds([d.to_base58() for d in donors], oldest, epoch - oldest, peers)
         if rounds is None:
             return False
         self.assembly.bring_forward(rounds, self._limit, self._lr, self._mu)
-        logger.info(f"Brought the ranges of epochs {oldest}..{newest - 1} to epoch {newest} with the rounds from "
+        logger.info(f"Brought the ranges of epochs {oldest}..{epoch - 1} to epoch {epoch} with the rounds from "
                     f"{donor}")
         return True
 
