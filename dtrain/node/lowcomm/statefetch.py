@@ -47,10 +47,17 @@ IN_FLIGHT = 3  # requests a joiner keeps open with each donor: a home link's rou
 RANGE_TIMEOUT_S = 30.0  # one range (512 KiB) at well under 1 Mbit/s: a donor slower than that loses its ranges
 HOLD_WAIT_S = 10.0  # a donor's answer waits this long for the next epoch's snapshot once the momentum moved on
 HOLD_POLL_S = 0.1
+NOT_HELD_PAUSE_S = 1.0  # a donor that answered nothing (its state is moving) is asked again after this
+NOT_HELD_LIMIT_S = 120.0  # ...until it has answered nothing else for this long: then it has failed
 PASS_PAUSE_S = 1.0  # between two passes, when every donor of a pass failed
 RECORD_WAIT_S = 10.0  # for the peers' records of the epoch the pieces are of
 POLL_S = 2.0  # the joiner's thread looks at a pass this often (to keep announcing itself)
 MAX_PASSES = 10  # passes (donors read afresh, missing or stale ranges asked again) before hivemind's download
+
+
+class NotHeld(Exception):
+    """A donor's empty answer: it holds no settled state of one epoch now (nothing published yet, or its outer step
+    moved the momentum and the next snapshot did not come within its HOLD_WAIT_S)."""
 
 
 class Held(NamedTuple):
@@ -144,6 +151,8 @@ async def fetch_range(p2p: P2P, peer: PeerID, layout: ranges.StateLayout, r: ran
             if size > limit:
                 raise ranges.BadRange(f"{peer} sent more than the {limit} bytes of range {r.offset}+{r.length}")
             chunks.append(message.value)
+        if not size:
+            raise NotHeld(f"{peer} holds no settled state of one epoch now")
         return b"".join(chunks)
 
     return layout.decode_piece(await asyncio.wait_for(receive(), timeout_s), r, min_epoch, max_epoch)
@@ -152,14 +161,25 @@ async def fetch_range(p2p: P2P, peer: PeerID, layout: ranges.StateLayout, r: ran
 async def fetch_ranges(p2p: P2P, layout: ranges.StateLayout, donors: Sequence[PeerID],
                        todo: Sequence[ranges.Range], min_epoch: int, max_epoch: int,
                        on_piece: Callable[[PeerID, ranges.Range, ranges.Piece], None],
-                       in_flight: int = IN_FLIGHT, timeout_s: float = RANGE_TIMEOUT_S) -> dict[PeerID, str]:
+                       in_flight: int = IN_FLIGHT, timeout_s: float = RANGE_TIMEOUT_S,
+                       not_held_limit_s: float = NOT_HELD_LIMIT_S) -> dict[PeerID, str]:
     """Ask `donors` for the ranges of `todo`, `in_flight` at a time each, until every range came or every donor
     failed; a failed donor's range goes back for the others. Once nothing is left to ask, a donor with a free slot
     also asks for a range another donor is still sending (the first answer counts): a slow donor does not hold up
-    the last ranges. Returns the failed donors and why."""
+    the last ranges. A donor that answers nothing (NotHeld: its outer step is under way, which on a slow machine
+    outlasts its wait for the next snapshot) gives its range back and is asked again a moment later; it has failed
+    once it answered nothing else for `not_held_limit_s`. Returns the failed donors and why."""
     queue, failed = deque(todo), {}
     fetching: dict[ranges.Range, set] = {}  # range -> the donors asked for it, in the order they were asked
     done: set = set()
+    moving: dict[PeerID, float] = {}  # donor -> since when it has answered nothing
+
+    def give_back(r: ranges.Range, donor: PeerID) -> None:
+        asked = fetching.get(r, set())
+        asked.discard(donor)
+        if not asked and r not in done:
+            fetching.pop(r, None)
+            queue.appendleft(r)
 
     async def worker(donor: PeerID) -> None:
         while donor not in failed:
@@ -177,13 +197,19 @@ async def fetch_ranges(p2p: P2P, layout: ranges.StateLayout, donors: Sequence[Pe
             asked.add(donor)
             try:
                 piece = await fetch_range(p2p, donor, layout, r, min_epoch, max_epoch, timeout_s)
+            except NotHeld as e:
+                give_back(r, donor)
+                since = moving.setdefault(donor, time.monotonic())
+                if time.monotonic() - since >= not_held_limit_s:
+                    failed.setdefault(donor, f"{e!r} for {not_held_limit_s:.0f}s")
+                else:
+                    await asyncio.sleep(NOT_HELD_PAUSE_S)
+                continue
             except Exception as e:  # no answer, a timeout, a wrong answer: the range goes to another donor
                 failed.setdefault(donor, repr(e))
-                asked.discard(donor)
-                if not asked and r not in done:
-                    fetching.pop(r, None)
-                    queue.appendleft(r)
+                give_back(r, donor)
                 continue
+            moving.pop(donor, None)
             asked.discard(donor)
             if r not in done:
                 done.add(r)
