@@ -47,6 +47,8 @@ COLLECT_EVERY_S = 2.0  # while a node downloads the state, how often it fetches 
 COLLECT_STATES = 2.0  # it collects at most this many times the state's bytes of rounds
 COLLECT_LOOK_BACK = 3  # epochs below the swarm's it looks at for the newest one peers publish their bytes of
 FETCH_TIMEOUT_S = 120.0  # the least one answer may take; more when its bytes need it at --link-mbit
+RECORD_WAIT_S = 10.0  # how long a replay waits for the peers' records of the epoch it catches up to
+RECORD_POLL_S = 0.5
 REQUEST = struct.Struct("<QI")  # the last epoch the asker holds, how many rounds it wants after it
 FRAME = struct.Struct("<QI")  # a round's epoch, its payload's bytes
 
@@ -315,14 +317,22 @@ class CatchUp:
             self._collected.clear()
         if want - have <= 0:
             return False
-        # the swarm's newest epoch may still be in the making (no record yet): then the one before, if it is ahead
-        for want in (want, want - 1):
-            records = self._agreement.records(want)
-            found = reference_of(records)
-            if found is not None or want - 1 <= have:
+        # the swarm's newest epoch may still be in the making (no record yet): then the one before, if it is ahead.
+        # One epoch behind, that leaves none: its records are waited for (RECORD_WAIT_S), as a read over a link that a
+        # download has just filled may not find them yet, before the node downloads the whole state instead
+        newest, deadline = want, time.monotonic() + RECORD_WAIT_S
+        while True:
+            for want in (newest, newest - 1):
+                records = self._agreement.records(want)
+                found = reference_of(records)
+                if found is not None or want - 1 <= have:
+                    break
+            if found is not None or time.monotonic() >= deadline:
                 break
+            time.sleep(RECORD_POLL_S)
         if found is None:
-            logger.info(f"No peer publishes its bytes for epoch {want} yet: nothing to check a replay against")
+            logger.info(f"No peer publishes its bytes for epoch {want} within {RECORD_WAIT_S:g}s: nothing to check a "
+                        f"replay against")
             return False
         collected = collected[:want - have]
         after, count, digest = have + len(collected), want - have - len(collected), found[1].digest
