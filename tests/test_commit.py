@@ -188,9 +188,15 @@ def test_a_round_whose_members_brought_no_samples_is_aborted_on_every_member(com
     """Full peers that joined a round for client-mode peers' samples and found only each other: weights of 0, which
     hivemind's reducers divide by. Nobody applies the NaN average (nor makes an update of its own: the optimizer's
     rule for a peer with no samples), and the next round is complete again."""
-    outcomes = run_round(committing, weight=0.0)
-    assert all(isinstance(result, AbortedRound) and "not finite" in result.reason for result, _ in outcomes), \
-        [result for result, _ in outcomes]
+    # under load (another xdist worker's swarm) a member may miss the group: then the round fails otherwise, and is
+    # applied by nobody either; tried again until the three form one
+    for _ in range(FLAW_TRIES):
+        results = [result for result, _ in run_round(committing, weight=0.0)]
+        assert not any(applied(result) for result in results), results
+        if all(isinstance(result, AbortedRound) and "not finite" in result.reason for result in results):
+            break
+    else:
+        pytest.fail(f"the three never formed one round in {FLAW_TRIES} tries: {results}")
     test_a_complete_round_is_applied_by_every_member_as_the_average_of_all(committing)
 
 
