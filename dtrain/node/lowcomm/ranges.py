@@ -97,8 +97,7 @@ class StateLayout:
         """Element `x` begins a block of its tensor (or is the end of the state)."""
         if x == self.total:
             return True
-        t = self._tensor_at(x)
-        return 0 <= x < self.total and (x - self.starts[t]) % momentum8.BLOCK == 0
+        return 0 <= x < self.total and (x - self.starts[self._tensor_at(x)]) % momentum8.BLOCK == 0
 
     def plan(self, range_elements: int = RANGE_ELEMENTS) -> list[Range]:
         """The ranges that cover the state, in order: each ends on the last block boundary within `range_elements`
