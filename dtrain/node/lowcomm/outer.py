@@ -18,7 +18,7 @@ the parameter with that f32 momentum and stores it rounded.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import torch
 
@@ -52,6 +52,11 @@ class OuterNesterov(torch.optim.Optimizer):
 
     def _bump(self) -> None:
         self.version += 1
+
+    def momentum(self, params: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The momentum of `params` in place: their codes, and their scales (node.lowcomm.momentum)."""
+        states = [self.state[p] for p in params]
+        return [s["momentum_codes"] for s in states], [s["momentum_scales"] for s in states]
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[None]:

@@ -343,10 +343,8 @@ class SpreadDownload:
         if found is None and epoch > 0:
             logger.info(f"No peer publishes its bytes for epoch {epoch}: nothing to check the ranges against")
             return False
-        state = [self._outer.state[p] for p in self._params]
         with self._outer.writing():  # a range donor reading them sees them move
-            self.assembly.load_into(self._params, [s["momentum_codes"] for s in state],
-                                    [s["momentum_scales"] for s in state])
+            self.assembly.load_into(self._params, *self._outer.momentum(self._params))
         digest = params_digest(self._model)
         if not (digest == found[1].digest if found is not None else self._agreement.is_epoch_zero(digest)):
             logger.warning(f"The ranges assembled for epoch {epoch} are not the bytes the peers publish")

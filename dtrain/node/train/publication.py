@@ -120,9 +120,7 @@ class StepPublisher:
         self.background.log_norm(snap)
         averager = self.swarm.optimizer.state_averager
         if self.donor is not None:  # this epoch's state: the snapshot and, until the next outer step, the momentum
-            state = [averager.optimizer.state[p] for p in self.model.parameters()]
-            self.donor.hold(snap.updates, snap.f32, [s["momentum_codes"] for s in state],
-                            [s["momentum_scales"] for s in state])
+            self.donor.hold(snap.updates, snap.f32, *averager.optimizer.momentum(list(self.model.parameters())))
         if self.low_comm:
             averager.served = ServedState(snap.updates, snap.f32, averager.optimizer.version)
         self.share_state()
