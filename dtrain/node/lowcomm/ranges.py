@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import struct
-from typing import NamedTuple, Optional, Sequence
+from typing import Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -128,6 +128,14 @@ class StateLayout:
             t += 1
         return out
 
+    def spans(self, r: Range) -> Iterator[tuple[Part, slice, slice]]:
+        """Each part of `r`, with where its elements and its scales are in a piece of `r`."""
+        at, scale_at = 0, 0
+        for part in self.parts(r):
+            n, k = part.hi - part.lo, part.end_scale - part.first_scale
+            yield part, slice(at, at + n), slice(scale_at, scale_at + k)
+            at, scale_at = at + n, scale_at + k
+
     def scale_count(self, r: Range) -> int:
         return sum(part.end_scale - part.first_scale for part in self.parts(r))
 
@@ -185,12 +193,9 @@ class StateLayout:
         for round_epoch, average in averages:
             if round_epoch != epoch + 1:
                 raise ValueError(f"round {round_epoch} applied to a range of epoch {epoch}")
-            at, scale_at = 0, 0
-            for part in self.parts(r):
-                n, k = part.hi - part.lo, part.end_scale - part.first_scale
-                nesterov_(p[at:at + n], average[r.offset + at:r.offset + at + n], codes[at:at + n],
-                          scales[scale_at:scale_at + k], lr, momentum)
-                at, scale_at = at + n, scale_at + k
+            for _, elements, kept in self.spans(r):
+                nesterov_(p[elements], average[r.offset:r.end][elements], codes[elements], scales[kept], lr,
+                          momentum)
             epoch = round_epoch
         return Piece(epoch, p.numpy(), codes.numpy(), scales.numpy())
 
@@ -259,12 +264,8 @@ class Assembly:
         flat_p, flat_c = [p.detach().view(-1) for p in params], [c.view(-1) for c in codes]
         with torch.no_grad():
             for r, piece in self.pieces.items():
-                at, scale_at = 0, 0
-                for part in self.layout.parts(r):
-                    n, k = part.hi - part.lo, part.end_scale - part.first_scale
-                    flat_p[part.tensor][part.lo:part.hi] = torch.from_numpy(piece.params[at:at + n])
-                    flat_c[part.tensor][part.lo:part.hi] = torch.from_numpy(piece.codes[at:at + n])
-                    scales[part.tensor][part.first_scale:part.end_scale] = torch.from_numpy(
-                        piece.scales[scale_at:scale_at + k])
-                    at, scale_at = at + n, scale_at + k
+                for part, elements, kept in self.layout.spans(r):
+                    flat_p[part.tensor][part.lo:part.hi] = torch.from_numpy(piece.params[elements])
+                    flat_c[part.tensor][part.lo:part.hi] = torch.from_numpy(piece.codes[elements])
+                    scales[part.tensor][part.first_scale:part.end_scale] = torch.from_numpy(piece.scales[kept])
         return epochs.pop()
