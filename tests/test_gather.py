@@ -4,10 +4,16 @@ the four payloads, one of them the offer its node handed over instead of its `.g
 the round gives those bits. Who calls whom is tested in tests/test_gather_plan.py."""
 from __future__ import annotations
 
+import ctypes
 import itertools
+import multiprocessing as mp
+import os
+import signal
 import tempfile
+import time
 from functools import partial
 
+import psutil
 import pytest
 import torch
 
@@ -93,3 +99,53 @@ def test_a_round_whose_members_brought_no_samples_is_aborted_on_every_member():
         outcomes = run(group, weight=0.0)
     assert all(isinstance(result, AbortedRound) and "no samples" in result.reason for result, _, _ in outcomes), \
         [result for result, _, _ in outcomes]
+
+
+class Mortal(SparseGatherAverager):
+    """A member that dies inside a round in which it is to call another member, before it calls: its libp2p daemon
+    (`daemon_pid`, set by the test; 0: it never dies) and its own process are killed, as when a node is. As the
+    last member of its group (it calls nobody) it takes part: the next round shuffles the group again."""
+
+    def __init__(self, *args, **kwargs):
+        self.daemon_pid = mp.RawValue(ctypes.c_int, 0)
+        super().__init__(*args, **kwargs)
+
+    async def _exchange_holding(self, tensors, group_info, weight):
+        if self.daemon_pid.value and group_info.peer_ids.index(self.peer_id) < len(group_info.peer_ids) - 1:
+            os.kill(self.daemon_pid.value, signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return await super()._exchange_holding(tensors, group_info, weight)
+
+
+def test_a_member_killed_inside_the_round_ends_it_on_the_others_well_before_its_deadline():
+    """The others stop waiting for a member that died before it called them: it neither called nor holds a
+    connection, so the round cannot complete and ends within seconds, not at its deadline (here a minute)."""
+    allreduce_timeout, tries = 60.0, 8
+    g = torch.Generator().manual_seed(0)
+    grads = [sparse.quantize(sparse.top_k([torch.randn(ELEMENTS, generator=g)], FRACTION))[0] for _ in range(3)]
+    with averagers(lambda i, owner: partial(Mortal, fraction=FRACTION, record_subkey=owner.subkey), grads,
+                   target_group_size=3, min_group_size=3,
+                   min_matchmaking_time=2.0, allreduce_timeout=allreduce_timeout, request_timeout=2.0) as group:
+        victim = group[-1][1]
+        daemons = [p for p in psutil.Process(victim.dht.pid).children() if "p2pd" in p.name()]
+        assert len(daemons) == 1, daemons
+        victim.daemon_pid.value, victim_id = daemons[0].pid, str(victim.peer_id)
+        for _ in range(tries):  # until the victim is not the last of its group (each try: 1/3 that it is)
+            for _, averager in group:
+                averager.accumulate_grads_(batch_size=1)
+            began = time.monotonic()
+            controls = [averager.step(wait=False, timeout=allreduce_timeout, allow_retries=False)
+                        for _, averager in group]
+            results = [control.result(2 * allreduce_timeout) for control in controls[:-1]]
+            took = time.monotonic() - began
+            if victim.is_alive():
+                assert all(applied(result) for result in results), results
+                controls[-1].result(allreduce_timeout)
+                continue
+            break
+        else:
+            pytest.fail(f"the victim was the last of its group in {tries} rounds")
+        victim.dht.terminate()  # its daemon is gone: nothing to shut down gracefully
+        for result in results:
+            assert isinstance(result, AbortedRound) and victim_id in result.reason, result
+        assert took < 25.0, f"the others waited {took:.1f}s for a member that had died"

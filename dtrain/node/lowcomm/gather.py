@@ -43,12 +43,14 @@ from hivemind.utils.asyncio import enter_asynchronously
 from hivemind.utils.logging import get_logger
 
 from dtrain.node.lowcomm import record, sparse
-from dtrain.node.swarm.commit import CommittingGradientAverager, commit_window
+from dtrain.node.swarm.commit import CommittingGradientAverager, commit_window, record_key
 
 logger = get_logger(__name__)
 
 CHUNK_BYTES = 1 << 20  # payload bytes per stream message
 REGISTER_WAIT_S = 5.0  # how long a member waits for a round it has not begun yet when a peer's payload arrives
+WATCH_EVERY_S = 1.0  # how often a member checks that its round can still complete (`_watch`)
+GONE_AFTER_S = 5.0  # a member that is to call this one and has neither called nor a connection by then has gone
 HEADER = struct.Struct("<qQ")  # a member's epoch and its payload's length, before the payload on the wire and on file
 UNKNOWN_EPOCH = -1  # a member whose node handed no offer: its epoch is compared with no one's
 
@@ -112,6 +114,8 @@ class _Round:
     weight: float
     own: bytes
     payloads: Dict[PeerID, tuple[float, bytes]] = field(default_factory=dict)
+    callers: set[PeerID] = field(default_factory=set)  # the members whose call reached this one
+    broken: Optional[str] = None  # why the round cannot complete any more, once that is known
     arrived: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     async def put(self, peer: PeerID, weight: float, data: bytes) -> None:
@@ -119,13 +123,21 @@ class _Round:
             self.payloads.setdefault(peer, (weight, data))
             self.arrived.notify_all()
 
+    async def fail(self, reason: str) -> None:
+        """The round cannot complete (the first reason stays): every wait for payloads ends."""
+        async with self.arrived:
+            self.broken = self.broken or reason
+            self.arrived.notify_all()
+
     async def wait_for(self, peers: Sequence[PeerID], timeout: float) -> bool:
+        """Whether the payloads of `peers` are all in, waiting up to `timeout` (False at once if the round broke)."""
         async with self.arrived:
             try:
-                await asyncio.wait_for(self.arrived.wait_for(lambda: all(p in self.payloads for p in peers)), timeout)
-                return True
+                await asyncio.wait_for(self.arrived.wait_for(
+                    lambda: self.broken is not None or all(p in self.payloads for p in peers)), timeout)
             except asyncio.TimeoutError:
                 return False
+            return self.broken is None
 
     def missing(self) -> list[str]:
         return [str(p) for p in self.members if p not in self.payloads]
@@ -265,7 +277,8 @@ class SparseGatherAverager(CommittingGradientAverager):
         await self._announce_round()
         calls = [asyncio.create_task(self._call(peer, group_id, round_)) for peer in my_plan.dial]
         everyone = asyncio.create_task(round_.wait_for(group_info.peer_ids, timeout=float("inf")))
-        pending = {everyone, *calls}
+        watch = asyncio.create_task(self._watch(round_, group_info, began))
+        pending = {everyone, watch, *calls}
         try:
             while not everyone.done():
                 timeout = began + publish_by - get_dht_time()
@@ -273,8 +286,10 @@ class SparseGatherAverager(CommittingGradientAverager):
                     return gathered, f"no payload from {', '.join(round_.missing())} in time"
                 done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
-                    if task is not everyone and task.result() is not None:
+                    if task in calls and task.result() is not None:
                         return gathered, task.result()
+            if round_.broken is not None:
+                return gathered, round_.broken
         finally:
             for task in pending:
                 task.cancel()
@@ -304,6 +319,42 @@ class SparseGatherAverager(CommittingGradientAverager):
         except (OSError, record.BadRecord) as e:  # the round goes on; the node finds no record of it to log
             logger.warning(f"Could not write the round's record: {e!r}")
         return gathered, None
+
+    async def _watch(self, round_: _Round, group_info: GroupInfo, began: float) -> None:
+        """Ends the round early (`_Round.fail`) once it cannot complete, every WATCH_EVERY_S until it is over:
+        - a member already said in the commit step that its exchange failed (node.swarm.commit);
+        - a member that is to call this one (`Plan.accept`) has not called GONE_AFTER_S into the round and has no
+          connection to this member's libp2p daemon: it has gone (a killed node's daemon closes its connections).
+        A member that called and stopped part-way ends the round from its stream (`_receive`). Without this, a
+        member killed inside a round cost the others the whole deadline (38 s for the default model at 10 Mbit/s).
+        A live member calls within a second or two of the others, who learn the group at the same moment; one that is
+        late all the same, and holds no connection to this one either (the DHT's or the matchmaking's), ends the
+        round, which its members then carry into the next one (node.swarm.optimizer): a round, not the samples."""
+        key = record_key(self.prefix, group_info.group_id)
+        members = {peer.to_base58() for peer in group_info.peer_ids}
+        while True:
+            await asyncio.sleep(WATCH_EVERY_S)
+            try:
+                said = await self._said(key)
+                failed = sorted(peer for peer in members if said.get(peer) is False)
+                if failed:
+                    await round_.fail(f"the exchange of {', '.join(failed)} failed")
+                    return
+                if get_dht_time() - began < GONE_AFTER_S:
+                    continue
+                awaited = [peer for peer in round_.plan.accept
+                           if peer not in round_.payloads and peer not in round_.callers]
+                if not awaited:
+                    continue
+                connected = {info.peer_id for info in await self._p2p.list_peers()}
+            except Exception as e:  # a DHT or daemon that did not answer: the round's deadline still holds
+                logger.debug(f"Watching round {group_info.group_id.hex()[:8]} failed: {e!r}")
+                continue
+            gone = [str(peer) for peer in awaited if peer not in connected]
+            if gone:
+                await round_.fail(f"{', '.join(gone)} left the round (no call and no connection "
+                                  f"{GONE_AFTER_S:g}s into it)")
+                return
 
     async def _call(self, peer: PeerID, group_id: bytes, round_: _Round) -> Optional[str]:
         """Swap payloads with `peer`: this member's out, the ones `peer` answers with in; why not, if it failed.
@@ -383,6 +434,7 @@ class SparseGatherAverager(CommittingGradientAverager):
         if round_ is None or caller not in round_.plan.accept or caller in round_.payloads:
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return
+        round_.callers.add(caller)
         receiving = asyncio.create_task(self._receive(first, stream, caller, round_))
         try:
             for message in _chunks(first.group_id, self.peer_id, round_.weight, round_.own):
@@ -407,13 +459,24 @@ class SparseGatherAverager(CommittingGradientAverager):
     async def _receive(self, first: averaging_pb2.AveragingData, stream: AsyncIterator[averaging_pb2.AveragingData],
                        caller: PeerID, round_: _Round) -> None:
         """Read `caller`'s payload (bounded) into the round as soon as it is whole, then wait for the caller to end
-        its side of the stream."""
+        its side of the stream. A stream that ends or breaks before the payload is whole ends the round: the caller
+        has gone, or sent less than it declared."""
         part = _Arriving(float(first.weight), self._max_payload_bytes)
         part.add(first.tensor_part.buffer)
         if part.whole:
             await round_.put(caller, part.weight, part.data())
-        async for message in stream:
-            was_whole = part.whole
-            part.add(message.tensor_part.buffer)  # past the whole payload: _TooLarge
-            if part.whole and not was_whole:
-                await round_.put(caller, part.weight, part.data())
+        try:
+            async for message in stream:
+                was_whole = part.whole
+                part.add(message.tensor_part.buffer)  # past the whole payload: _TooLarge
+                if part.whole and not was_whole:
+                    await round_.put(caller, part.weight, part.data())
+        except (_TooLarge, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            if not part.whole:
+                await round_.fail(f"the stream from {caller} broke after {part.size} bytes of its payload "
+                                  f"({type(e).__name__})")
+            return
+        if not part.whole:
+            await round_.fail(f"{caller} ended its stream after {part.size} bytes of its payload")

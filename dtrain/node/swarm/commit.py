@@ -205,14 +205,19 @@ class CommittingGradientAverager(Retimable, SameEpochGroup, ExpectedGroup, KeyGa
         except Exception as e:  # the others then decide without this record: they abort
             logger.warning(f"Could not publish the outcome of a gradient round: {e!r}")
 
+    async def _said(self, key: str) -> dict[str, bool]:
+        """peer id -> whether its exchange was complete, for the members that said so far under `key`."""
+        found = await self.dht.get(key, latest=True, return_future=True)
+        if not found or not isinstance(found.value, dict):
+            return {}
+        return by_peer({subkey: item.value for subkey, item in found.value.items()})
+
     async def _others_incomplete(self, key: str, group_info: GroupInfo, deadline: float) -> tuple[Optional[str], bool]:
         """(None, False) once every member said complete; else the reason to abort, and whether it is that a member
         said nothing in time."""
         members = {peer.to_base58() for peer in group_info.peer_ids}
         while True:
-            found = await self.dht.get(key, latest=True, return_future=True)
-            said = by_peer({subkey: item.value for subkey, item in found.value.items()}) if found and isinstance(
-                found.value, dict) else {}
+            said = await self._said(key)
             failed = sorted(peer for peer in members if said.get(peer) is False)
             if failed:
                 return f"the all-reduce of {', '.join(failed)} was incomplete", False
