@@ -95,15 +95,17 @@ def test_failed_gradient_round_applies_the_local_gradient(single_peer):
         assert torch.equal(p.grad, g)
 
 
-def _second_peer(opt_a, **config):
+def _second_peer(opt_a, averaging=swarm.Averaging(), **config):
     """A second peer of `opt_a`'s swarm, as the single peer's but joining it (`config`: SwarmConfig's other
-    values): its model, its Swarm (to shut down) and the list its exact gradient is read from."""
+    values; `averaging`: how its rounds average): its model, its Swarm (to shut down) and the list its exact
+    gradient is read from."""
     model = build_model(ModelConfig.load(TINY_CONFIG))
     config = SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), initial_peers=tuple(opt_a.dht.get_visible_maddrs()),
                          run_id=opt_a.run_id, target_batch_size=6, matchmaking_time_s=1.0, request_timeout_s=0.5,
                          averaging_timeout_s=5.0, **config)
     grads = []
-    return model, swarm.Swarm(config, make_local_optimizer(model, TRAIN), local_gradients=lambda: grads), grads
+    return model, swarm.Swarm(config, make_local_optimizer(model, TRAIN), local_gradients=lambda: grads,
+                              averaging=averaging), grads
 
 
 def test_a_peer_behind_the_swarm_does_not_update_until_it_caught_up(single_peer):
@@ -195,6 +197,41 @@ def test_a_peer_whose_round_fails_in_the_epoch_it_arrived_in_late_makes_no_updat
         opt_b.arrived_in = None  # the rule, and nothing else, kept B from updating alone
         fail_rounds(lambda: opt_b.local_epoch == 1)
         assert opt_b.local_epoch == 1 and opt_b.last_round.group == (opt_b.peer_id,)
+        assert not all(torch.equal(p, q) for p, q in zip(model_b.parameters(), before))
+        assert opt_a.local_epoch == 0
+    finally:
+        peer_b.shutdown()
+
+
+def test_a_peer_that_carries_failed_rounds_updates_alone_only_after_that_many_in_a_row(single_peer):
+    """Low-comm's rule: a round that failed while others train makes no update (every member failed it, and updates
+    of their own would each need the agreement's download but one); the gradient waits for the next round. After
+    `failed_rounds_carried` failures in a row the peer updates alone, so a round that keeps failing cannot stall it."""
+    model_a, _, opt_a, _ = single_peer
+    model_b, peer_b, grads_b = _second_peer(opt_a, averaging=swarm.Averaging(failed_rounds_carried=2))
+    try:
+        opt_b = peer_b.optimizer
+        assert peer_b.wait_for_progress(timeout_s=10)
+        grads_b[:] = _gradient(model_b)
+        for model in (model_a, model_b):
+            with torch.no_grad():
+                for p, g in zip(model.parameters(), grads_b):
+                    p.grad.copy_(g)
+        opt_a.step(batch_size=2)  # A's progress: B counts A, which never joins B's rounds
+        assert opt_a.local_epoch == 0
+        before = [p.detach().clone() for p in model_b.parameters()]
+        seen = []  # (failed rounds so far, B's epoch) after each round B gathered
+
+        deadline = time.monotonic() + 60
+        while opt_b.local_epoch == 0 and time.monotonic() < deadline:
+            skipped = opt_b.skipped_rounds
+            opt_b.step(batch_size=6 if opt_b.grad_averager.local_samples_accumulated == 0 else 0)
+            if opt_b.skipped_rounds != skipped or opt_b.local_epoch != 0:
+                seen.append((opt_b.skipped_rounds, opt_b.local_epoch))
+                if opt_b.local_epoch == 0:  # no update: same parameters, the gradient still pending
+                    assert all(torch.equal(p, q) for p, q in zip(model_b.parameters(), before))
+        assert seen == [(1, 0), (2, 0), (2, 1)], seen
+        assert opt_b.last_round.group == (opt_b.peer_id,)
         assert not all(torch.equal(p, q) for p, q in zip(model_b.parameters(), before))
         assert opt_a.local_epoch == 0
     finally:

@@ -30,6 +30,9 @@ CODECS = {
 # pseudo-gradient's heavy tails exceed, and is built on torch's quantized tensors, which torch deprecates.
 PARAMS_BYTES = 4.0  # dense codecs: parameters are averaged after each outer round uncompressed (equal bytes)
 NEVER = 2 ** 31 - 1  # average_state_every that never comes: the sparse codec's outer steps agree to the bit
+# a failed outer round makes no update while others train: its members carry their pseudo-gradients into the next
+# (node.swarm.optimizer.SwarmOptimizer._no_round_alone); the third failure in a row at one epoch updates alone
+FAILED_ROUNDS_CARRIED = 2
 
 
 def check(name: str) -> str:
@@ -80,6 +83,7 @@ def averaging(swarm: SwarmConfig) -> Averaging:
     if check(swarm.wire_codec) == "sparse":
         return Averaging(partial(SparseGatherAverager, fraction=swarm.topk_fraction),
                          dict(grad_compression=compression("sparse"), average_opt_statistics=(),
-                              average_state_every=NEVER))
+                              average_state_every=NEVER), failed_rounds_carried=FAILED_ROUNDS_CARRIED)
     return Averaging(CommittingGradientAverager,
-                     dict(grad_compression=compression(swarm.wire_codec), average_opt_statistics=()))
+                     dict(grad_compression=compression(swarm.wire_codec), average_opt_statistics=()),
+                     failed_rounds_carried=FAILED_ROUNDS_CARRIED)

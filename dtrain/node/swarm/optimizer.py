@@ -2,7 +2,7 @@
 
 Six changes to hivemind's: a gradient round is applied whole or not at all (node.swarm.commit), it applies the
 node's exact gradient whenever the swarm's average is unavailable, a client-mode peer never updates without the
-swarm's average, it reports each update's outcome (which peers' gradients went into it), an update also begins
+swarm's average (nor, for a few rounds in a row, does a low-comm peer whose round failed while others train), it reports each update's outcome (which peers' gradients went into it), an update also begins
 when the swarm's pending samples stop growing (node.swarm.tracker), so a swarm keeps its pace when a peer leaves
 whatever target it was started with, and a low-comm round's group closes once the peers at the swarm's epoch are in
 it (node.swarm.groupsize), not when matchmaking's time is up.
@@ -66,14 +66,16 @@ class SwarmOptimizer(hivemind.Optimizer):
     """
 
     def __init__(self, *, local_gradients: Callable[[], Sequence[torch.Tensor]], update_bonus: float,
-                 settle_s: float, swarm_key: Optional[bytes] = None,
+                 settle_s: float, swarm_key: Optional[bytes] = None, failed_rounds_carried: int = 0,
                  others_present: Callable[[], bool] = lambda: False, round_due: Optional[Callable[[], bool]] = None,
                  announced_epochs: Callable[[], Mapping[str, int]] = dict,
                  before_state_load: Optional[Callable[[], None]] = None, **kwargs):
         """`local_gradients`: this peer's exact gradient, applied when the swarm's average is unavailable;
         `others_present`, `round_due`, `announced_epochs`: the tracker's (node.swarm.tracker.PacedTracker);
         `before_state_load`: called before every download of the state, which replaces the parameters (low-comm:
-        the node sets the inner updates' parameters aside, node.lowcomm.rounds.InnerRounds.enter_outer)."""
+        the node sets the inner updates' parameters aside, node.lowcomm.rounds.InnerRounds.enter_outer).
+        `failed_rounds_carried`: how many failed rounds in a row at one epoch make no update while other peers train
+        (`_no_round_alone`); 0: every failed round is an update on this peer's own gradient."""
         self._local_gradients = local_gradients
         self._others_present, self._round_due, self._announced_epochs = others_present, round_due, announced_epochs
         self._swarm_key = swarm_key  # a closed swarm: the state averager's RPCs answer only holders of the key
@@ -83,6 +85,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._round_group: tuple[str, ...] = ()
         self._round_clean = False
         self.skipped_rounds = 0  # rounds that failed with no gradient this peer could apply alone: no update
+        self._failed_rounds_carried = failed_rounds_carried
+        self._failed_in_a_row = (-1, 0)  # (epoch, rounds of that epoch that failed so far)
         self.arrived_in: Optional[int] = None  # the epoch this peer arrived in late (node.train.follow.arrive_late)
         self._round_samples = 0  # samples this peer brought to the round being run
         self._next_skip_log = 0.0
@@ -114,7 +118,15 @@ class SwarmOptimizer(hivemind.Optimizer):
         # the round for client-mode peers' sake (no samples of its own): alone, its update would be Adam's
         # momentum and weight decay, asked for by no one. Nor, while `others` train, does a peer in the epoch it
         # arrived in late (`arrived_in`): they began the epoch before it, and when its first round misses theirs
-        # their update is the swarm's; its own would be bytes they do not have, which it would then download whole
+        # their update is the swarm's; its own would be bytes they do not have, which it would then download whole.
+        # Nor, with `failed_rounds_carried`, does a peer whose round failed while others train: they failed the same
+        # round (node.swarm.commit: nobody applies a round that is incomplete anywhere), so if each updated alone,
+        # every peer would hold bytes of its own, and all but one would then download the state of the one the
+        # agreement serves (41 s at 20 Mbit/s for the default model). Making no update, they stay on one anchor and
+        # average their gradients in the next round, which a member that left no longer holds up
+        # (node.lowcomm.gather). After that many failures in a row the peer updates alone, so a round that keeps
+        # failing for one peer cannot stall it for ever.
+        failed = self._failed_round()
         if behind:  # its round ended in matchmaking (node.swarm.groupsize): the swarm's update is already made
             why = ": the swarm moved on; this peer catches up and its gradient waits for the swarm's next round"
         elif self.client_mode:
@@ -123,9 +135,18 @@ class SwarmOptimizer(hivemind.Optimizer):
             why = " alone (no samples of its own)"
         elif others and self.local_epoch == self.arrived_in:
             why = " alone in the epoch it arrived in late; its gradient waits for the swarm's next round"
+        elif others and failed <= self._failed_rounds_carried:
+            why = (f" alone while others train; its gradient waits for the swarm's next round ({failed} of at most "
+                   f"{self._failed_rounds_carried} failed rounds in a row)")
         else:
             return
         raise NoSwarmRound(f"Gradient round failed ({reason}): no update{why}")
+
+    def _failed_round(self) -> int:
+        """One more failed round at this peer's epoch: how many have failed there in a row."""
+        epoch, count = self._failed_in_a_row
+        self._failed_in_a_row = (self.local_epoch, count + 1 if epoch == self.local_epoch else 1)
+        return self._failed_in_a_row[1]
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
         return PacedTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,

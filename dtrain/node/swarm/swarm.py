@@ -61,6 +61,7 @@ class Averaging:
     averager: Callable[..., CommittingGradientAverager] = CommittingGradientAverager
     optimizer_kwargs: Mapping[str, Any] = field(
         default_factory=lambda: dict(average_state_every=1, average_opt_statistics=("exp_avg", "exp_avg_sq")))
+    failed_rounds_carried: int = 0  # failed rounds in a row that make no update (SwarmOptimizer)
 
 
 class Swarm:
@@ -131,6 +132,7 @@ class Swarm:
                 announced_epochs=announced_epochs,
                 before_state_load=before_state_load,
                 update_bonus=peer_bonus(self.peer_id),
+                failed_rounds_carried=averaging.failed_rounds_carried,
                 swarm_key=swarm_key,
                 settle_s=config.settle_s,
                 dht=self.dht,

@@ -31,7 +31,7 @@ class NodeStatus:
     pending_samples: int  # handed to the training thread, not applied yet
     last_update_s: float  # how long the last update took (0 before the first)
     reachability: dict  # node.swarm.reachability.Reachability.as_dict(): full or client-mode peer, and why
-    skipped_rounds: int  # client mode: gradient rounds that failed, so this node made no update (nothing lost)
+    skipped_rounds: int  # gradient rounds that failed and made no update (client mode, low-comm): nothing lost
     references: int = 0  # trusted reference gradients computed (one per step with contributions)
     reference_seconds: float = 0.0  # their total wall time
     scored_out: int = 0  # contributors the ledger refuses for their record
