@@ -13,6 +13,7 @@ from dtrain.node.train import publication
 from dtrain.node.config import ConfigError, ModelConfig, NodeConfig, SwarmConfig, TrainConfig
 from dtrain.node.data import TokenDataset
 from dtrain.node.lowcomm.rounds import InnerRounds
+from dtrain.node.swarm.agreement import Download
 from dtrain.node.train.trainer import TrainingNode
 from tests.nodeproc import TINY_CONFIG, new_run_id, wait_until
 
@@ -76,6 +77,36 @@ def test_a_lone_node_on_its_own_data_serves_a_step_per_outer_round_and_hashes_no
 def _rounds(min_round_s: float, clock) -> InnerRounds:
     params = [torch.nn.Parameter(torch.zeros(4))]
     return InnerRounds(params, torch.optim.AdamW(params, lr=0.1), inner_steps=2, min_round_s=min_round_s, clock=clock)
+
+
+def test_a_catch_up_that_fails_leaves_the_node_training_on_and_the_next_one_serves_again(monkeypatch):
+    """A catch-up enters the outer round (its pseudo-gradient set aside for the download); one whose download fails
+    (a peer gone mid-way) must leave it again: the inner updates go on, the node serves nothing until a catch-up
+    agrees with the swarm, and the next one that does serves again."""
+    rng = np.random.default_rng(0)
+    data = TokenDataset(rng.integers(0, 50257, size=20_000, dtype=np.uint32))
+    config = NodeConfig(local_batch_size=2, local_seq_len=16, reference_batch=0,
+                        swarm=SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), run_id=new_run_id(), inner_steps=3))
+    node = TrainingNode(config, ModelConfig.load(TINY_CONFIG), TrainConfig(), dataset=data)
+    downloads = []
+
+    def download_that_fails_once() -> Download:  # the first fails mid-way; the next lands on the bytes it holds
+        downloads.append(threading.current_thread().name)
+        if len(downloads) == 1:
+            raise ConnectionResetError("the donor went away mid-download")
+        return Download.CHECKED
+
+    node.start()
+    try:
+        wait_until(lambda: node.step >= 2, 60, "a served step")
+        monkeypatch.setattr(node.follower, "_download_to_catch_up", download_that_fails_once)
+        node.unverified = True  # the training thread's next turn catches up
+        wait_until(lambda: len(downloads) >= 2, 60, "a second catch-up after the failed one")
+        step, inner = node.step, _inner_updates(node)
+        wait_until(lambda: node.step >= step + 2, 60, "served steps after the failed catch-up")
+        assert _inner_updates(node) >= inner + 3 and not node.unverified
+    finally:
+        node.stop()
 
 
 def test_a_round_is_due_after_its_inner_steps_and_its_least_duration():

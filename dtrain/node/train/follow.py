@@ -117,11 +117,17 @@ class SwarmFollower:
         # announced meanwhile, as a joiner's first download (join_download): a replay over a slow link outlasts an
         # announcement too (the default model's 4 rounds took 29 s at 20 Mbit/s), and a node that finds itself
         # alone then makes updates no round log holds, which this node could only download whole
-        with node.presence.announcing(node.step):
-            if node.catchup is not None and not node.unverified and node.catchup.replay():
-                download = Download.CHECKED  # the replayed bytes are the ones the peers publish
-            else:
-                download = self._download_to_catch_up()
+        try:
+            with node.presence.announcing(node.step):
+                if node.catchup is not None and not node.unverified and node.catchup.replay():
+                    download = Download.CHECKED  # the replayed bytes are the ones the peers publish
+                else:
+                    download = self._download_to_catch_up()
+        except Exception as e:  # a peer or link that failed mid-way: as a download refused, tried again next turn
+            logger.exception(f"Catching up failed: {e!r}")
+            download = Download.REFUSED
+        # whatever came of it, the round goes on on top of the parameters it left: a catch-up that raised past this
+        # left the node inside the outer round it entered above, and every inner update after it failed
         self.after_catch_up(download)
         self.arrive_late()
 
