@@ -4,6 +4,7 @@ the four payloads, one of them the offer its node handed over instead of its `.g
 the round gives those bits. Who calls whom is tested in tests/test_gather_plan.py."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import multiprocessing as mp
@@ -102,24 +103,29 @@ def test_a_round_whose_members_brought_no_samples_is_aborted_on_every_member():
 
 
 class Mortal(SparseGatherAverager):
-    """A member that dies inside a round in which it is to call another member, before it calls: its libp2p daemon
-    (`daemon_pid`, set by the test; 0: it never dies) and its own process are killed, as when a node is. As the
-    last member of its group (it calls nobody) it takes part: the next round shuffles the group again."""
+    """A member that dies inside a round in which it is to call another member, before it calls: its own process is
+    killed, and its libp2p daemon too when `daemon_pid` is set (a killed node's daemon, a process of its own, may
+    outlive it and keep its connections); `dies` is set by the test. As the last member of its group (it calls
+    nobody) it takes part: the next round shuffles the group again."""
 
     def __init__(self, *args, **kwargs):
+        self.dies = mp.RawValue(ctypes.c_bool, False)
         self.daemon_pid = mp.RawValue(ctypes.c_int, 0)
         super().__init__(*args, **kwargs)
 
     async def _exchange_holding(self, tensors, group_info, weight):
-        if self.daemon_pid.value and group_info.peer_ids.index(self.peer_id) < len(group_info.peer_ids) - 1:
-            os.kill(self.daemon_pid.value, signal.SIGKILL)
+        if self.dies.value and group_info.peer_ids.index(self.peer_id) < len(group_info.peer_ids) - 1:
+            if self.daemon_pid.value:
+                os.kill(self.daemon_pid.value, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         return await super()._exchange_holding(tensors, group_info, weight)
 
 
-def test_a_member_killed_inside_the_round_ends_it_on_the_others_well_before_its_deadline():
-    """The others stop waiting for a member that died before it called them: it neither called nor holds a
-    connection, so the round cannot complete and ends within seconds, not at its deadline (here a minute)."""
+@pytest.mark.parametrize("daemon", ["killed", "outlives it"])
+def test_a_member_killed_inside_the_round_ends_it_on_the_others_well_before_its_deadline(daemon):
+    """The others stop waiting for a member that died before it called them: it has not called, and its averager
+    fails their call (its daemon gone, or alive but with nobody to hand the call to), so the round cannot complete
+    and ends within seconds, not at its deadline (here a minute)."""
     allreduce_timeout, tries = 60.0, 8
     g = torch.Generator().manual_seed(0)
     grads = [sparse.quantize(sparse.top_k([torch.randn(ELEMENTS, generator=g)], FRACTION))[0] for _ in range(3)]
@@ -129,7 +135,10 @@ def test_a_member_killed_inside_the_round_ends_it_on_the_others_well_before_its_
         victim = group[-1][1]
         daemons = [p for p in psutil.Process(victim.dht.pid).children() if "p2pd" in p.name()]
         assert len(daemons) == 1, daemons
-        victim.daemon_pid.value, victim_id = daemons[0].pid, str(victim.peer_id)
+        victim_id = str(victim.peer_id)
+        victim.dies.value = True
+        if daemon == "killed":
+            victim.daemon_pid.value = daemons[0].pid
         for _ in range(tries):  # until the victim is not the last of its group (each try: 1/3 that it is)
             for _, averager in group:
                 averager.accumulate_grads_(batch_size=1)
@@ -145,7 +154,12 @@ def test_a_member_killed_inside_the_round_ends_it_on_the_others_well_before_its_
             break
         else:
             pytest.fail(f"the victim was the last of its group in {tries} rounds")
-        victim.dht.terminate()  # its daemon is gone: nothing to shut down gracefully
-        for result in results:
-            assert isinstance(result, AbortedRound) and victim_id in result.reason, result
+        if daemon == "outlives it":
+            assert daemons[0].is_running()
+        victim.dht.terminate()  # what is left of it: nothing to shut down gracefully
+        with contextlib.suppress(psutil.NoSuchProcess):
+            daemons[0].kill()
+        # a member that waited for the victim names it; the other may have read that member's outcome first
+        assert all(isinstance(result, AbortedRound) for result in results), results
+        assert any(victim_id in result.reason for result in results), results
         assert took < 25.0, f"the others waited {took:.1f}s for a member that had died"

@@ -219,6 +219,11 @@ def test_a_peer_that_carries_failed_rounds_updates_alone_only_after_that_many_in
                     p.grad.copy_(g)
         opt_a.step(batch_size=2)  # A's progress: B counts A, which never joins B's rounds
         assert opt_a.local_epoch == 0
+        opt_b.report_samples(4)  # with A's, the target: B's next step begins a round
+        deadline = time.monotonic() + 10
+        while opt_b.tracker.global_progress.num_peers < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert opt_b.tracker.global_progress.num_peers == 2  # B's rounds fail while another peer trains
         before = [p.detach().clone() for p in model_b.parameters()]
         seen = []  # (failed rounds so far, B's epoch) after each round B gathered
 

@@ -50,7 +50,8 @@ logger = get_logger(__name__)
 CHUNK_BYTES = 1 << 20  # payload bytes per stream message
 REGISTER_WAIT_S = 5.0  # how long a member waits for a round it has not begun yet when a peer's payload arrives
 WATCH_EVERY_S = 1.0  # how often a member checks that its round can still complete (`_watch`)
-GONE_AFTER_S = 5.0  # a member that is to call this one and has neither called nor a connection by then has gone
+GONE_AFTER_S = 5.0  # a member that is to call this one and has not by then is asked whether it is still there
+ASK_TIMEOUT_S = REGISTER_WAIT_S + 5.0  # a live member answers that question within REGISTER_WAIT_S
 HEADER = struct.Struct("<qQ")  # a member's epoch and its payload's length, before the payload on the wire and on file
 UNKNOWN_EPOCH = -1  # a member whose node handed no offer: its epoch is compared with no one's
 
@@ -323,13 +324,14 @@ class SparseGatherAverager(CommittingGradientAverager):
     async def _watch(self, round_: _Round, group_info: GroupInfo, began: float) -> None:
         """Ends the round early (`_Round.fail`) once it cannot complete, every WATCH_EVERY_S until it is over:
         - a member already said in the commit step that its exchange failed (node.swarm.commit);
-        - a member that is to call this one (`Plan.accept`) has not called GONE_AFTER_S into the round and has no
-          connection to this member's libp2p daemon: it has gone (a killed node's daemon closes its connections).
+        - a member that is to call this one (`Plan.accept`) has not called GONE_AFTER_S into the round, and its
+          averager does not answer a call (`_still_there`): its process is gone. Not its connection: a killed node's
+          libp2p daemon is a process of its own, which lives on for its idle timeout (30 s) and keeps the node's
+          connections open, but it cannot hand a call to an averager that is gone.
         A member that called and stopped part-way ends the round from its stream (`_receive`). Without this, a
         member killed inside a round cost the others the whole deadline (38 s for the default model at 10 Mbit/s).
-        A live member calls within a second or two of the others, who learn the group at the same moment; one that is
-        late all the same, and holds no connection to this one either (the DHT's or the matchmaking's), ends the
-        round, which its members then carry into the next one (node.swarm.optimizer): a round, not the samples."""
+        A live member that is busy answers late or not at all, and is waited for until the deadline, as is a
+        client-mode member, whom nobody can call."""
         key = record_key(self.prefix, group_info.group_id)
         members = {peer.to_base58() for peer in group_info.peer_ids}
         while True:
@@ -342,19 +344,40 @@ class SparseGatherAverager(CommittingGradientAverager):
                     return
                 if get_dht_time() - began < GONE_AFTER_S:
                     continue
-                awaited = [peer for peer in round_.plan.accept
-                           if peer not in round_.payloads and peer not in round_.callers]
-                if not awaited:
-                    continue
-                connected = {info.peer_id for info in await self._p2p.list_peers()}
-            except Exception as e:  # a DHT or daemon that did not answer: the round's deadline still holds
+                awaited = [peer for peer in round_.plan.accept if peer not in round_.plan.clients
+                           and peer not in round_.payloads and peer not in round_.callers]
+                there = await asyncio.gather(*(self._still_there(peer, group_info.group_id) for peer in awaited))
+            except Exception as e:  # a DHT that did not answer: the round's deadline still holds
                 logger.debug(f"Watching round {group_info.group_id.hex()[:8]} failed: {e!r}")
                 continue
-            gone = [str(peer) for peer in awaited if peer not in connected]
+            gone = [str(peer) for peer, answered in zip(awaited, there) if answered is False]
             if gone:
-                await round_.fail(f"{', '.join(gone)} left the round (no call and no connection "
+                await round_.fail(f"{', '.join(gone)} left the round (its averager fails a call "
                                   f"{GONE_AFTER_S:g}s into it)")
                 return
+
+    async def _still_there(self, peer: PeerID, group_id: bytes) -> Optional[bool]:
+        """Whether the averager of a full member answers a call of this round (True), fails it (False: it is gone,
+        whatever its daemon does), or neither within ASK_TIMEOUT_S (None). The call carries no payload: a member
+        refuses it (this one is not among the members that call it: `Plan.accept`), at once, or once its round
+        begins, or after REGISTER_WAIT_S."""
+        async def question():
+            yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, group_id=group_id,
+                                              peer_id=self.peer_id.to_bytes())
+
+        async def first_answer() -> bool:
+            stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)
+            async for _ in await stub.rpc_sparse_gather(question()):
+                return True
+            return False  # the stream ended with no answer at all
+
+        try:
+            return await asyncio.wait_for(first_answer(), ASK_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return None
+        except Exception as e:
+            logger.debug(f"{peer} failed a call of round {group_id.hex()[:8]}: {e!r}")
+            return False
 
     async def _call(self, peer: PeerID, group_id: bytes, round_: _Round) -> Optional[str]:
         """Swap payloads with `peer`: this member's out, the ones `peer` answers with in; why not, if it failed.

@@ -113,14 +113,15 @@ class SwarmOptimizer(hivemind.Optimizer):
             next_chunk_timeout=self.next_chunk_timeout, client_mode=self.client_mode, auxiliary=self.auxiliary,
             start=True, **kwargs)
 
-    def _no_round_alone(self, reason: str, others: bool = True, behind: bool = False) -> None:
+    def _no_round_alone(self, reason: str, others: bool = True, behind: bool = False, carry: bool = True) -> None:
         # A client-mode peer never updates alone (see the class docstring); nor does a full peer that only joined
         # the round for client-mode peers' sake (no samples of its own): alone, its update would be Adam's
         # momentum and weight decay, asked for by no one. Nor, while `others` train, does a peer in the epoch it
         # arrived in late (`arrived_in`): they began the epoch before it, and when its first round misses theirs
         # their update is the swarm's; its own would be bytes they do not have, which it would then download whole.
         # Nor, with `failed_rounds_carried`, does a peer whose round failed while others train: they failed the same
-        # round (node.swarm.commit: nobody applies a round that is incomplete anywhere), so if each updated alone,
+        # round (node.swarm.commit: nobody applies a round that is incomplete anywhere; `carry`: the swarm's progress
+        # shows other peers), so if each updated alone,
         # every peer would hold bytes of its own, and all but one would then download the state of the one the
         # agreement serves (41 s at 20 Mbit/s for the default model). Making no update, they stay on one anchor and
         # average their gradients in the next round, which a member that left no longer holds up
@@ -135,7 +136,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             why = " alone (no samples of its own)"
         elif others and self.local_epoch == self.arrived_in:
             why = " alone in the epoch it arrived in late; its gradient waits for the swarm's next round"
-        elif others and failed <= self._failed_rounds_carried:
+        elif others and carry and failed <= self._failed_rounds_carried:
             why = (f" alone while others train; its gradient waits for the swarm's next round ({failed} of at most "
                    f"{self._failed_rounds_carried} failed rounds in a row)")
         else:
@@ -197,8 +198,9 @@ class SwarmOptimizer(hivemind.Optimizer):
             self._expect_group()
             self.scheduled_grads = self.grad_averager.schedule_step(timeout=self.averaging_timeout)
         began = super()._begin_averaging_gradients(grad_scaler)
-        if not began:
-            self._no_round_alone("the gradient round could not begin")
+        if not began:  # hivemind's reasons: alone in the swarm's progress, or a pre-scheduled round already used
+            self._no_round_alone("the gradient round could not begin",
+                                 carry=self.tracker.global_progress.num_peers > 1)
             # hivemind goes on with whatever is in .grad (the raw accumulators): put the exact gradient there
             self._load_exact_local_gradients()
             if self.before_update is not None:  # as after a round: this update goes into the round log too
