@@ -2,10 +2,11 @@
 
 Six changes to hivemind's: a gradient round is applied whole or not at all (node.swarm.commit), it applies the
 node's exact gradient whenever the swarm's average is unavailable, a client-mode peer never updates without the
-swarm's average (nor, for a few rounds in a row, does a low-comm peer whose round failed while others train), it reports each update's outcome (which peers' gradients went into it), an update also begins
-when the swarm's pending samples stop growing (node.swarm.tracker), so a swarm keeps its pace when a peer leaves
-whatever target it was started with, and a low-comm round's group closes once the peers at the swarm's epoch are in
-it (node.swarm.groupsize), not when matchmaking's time is up.
+swarm's average (nor, for two failed rounds in a row, does a low-comm peer while others train), it reports each
+update's outcome (which peers' gradients went into it), an update also begins when the swarm's pending samples
+stop growing (node.swarm.tracker), so a swarm keeps its pace when a peer leaves whatever target it was started
+with, and a low-comm round's group closes once the peers at the swarm's epoch are in it (node.swarm.groupsize), not
+when matchmaking's time is up.
 """
 from __future__ import annotations
 
@@ -119,14 +120,13 @@ class SwarmOptimizer(hivemind.Optimizer):
         # momentum and weight decay, asked for by no one. Nor, while `others` train, does a peer in the epoch it
         # arrived in late (`arrived_in`): they began the epoch before it, and when its first round misses theirs
         # their update is the swarm's; its own would be bytes they do not have, which it would then download whole.
-        # Nor, with `failed_rounds_carried`, does a peer whose round failed while others train: they failed the same
-        # round (node.swarm.commit: nobody applies a round that is incomplete anywhere; `carry`: the swarm's progress
-        # shows other peers), so if each updated alone,
-        # every peer would hold bytes of its own, and all but one would then download the state of the one the
-        # agreement serves (41 s at 20 Mbit/s for the default model). Making no update, they stay on one anchor and
-        # average their gradients in the next round, which a member that left no longer holds up
-        # (node.lowcomm.gather). After that many failures in a row the peer updates alone, so a round that keeps
-        # failing for one peer cannot stall it for ever.
+        # Nor, with `failed_rounds_carried`, does a peer whose round failed while others train (`carry`: the swarm's
+        # progress shows other peers). They failed the same round (node.swarm.commit: nobody applies a round that is
+        # incomplete anywhere), so if each updated alone, every peer would hold bytes of its own, and all but one
+        # would then download the state of the one the agreement serves (41 s at 20 Mbit/s for the default model).
+        # Making no update, they stay on one anchor and average their gradients in the next round, which a member
+        # that left no longer holds up (node.lowcomm.gather). After that many failures in a row the peer updates
+        # alone, so a round that keeps failing for one peer cannot stall it for ever.
         failed = self._failed_round()
         if behind:  # its round ended in matchmaking (node.swarm.groupsize): the swarm's update is already made
             why = ": the swarm moved on; this peer catches up and its gradient waits for the swarm's next round"
