@@ -249,7 +249,7 @@ class SpreadDownload:
         for _ in range(MAX_PASSES):
             if self._stop.is_set() or time.monotonic() >= self._progress_at + timeout_s:
                 return False
-            swarm_epoch = self._agreement.saw(opt.tracker.global_epoch)
+            swarm_epoch = self._swarm_epoch()
             donors = self._donors(swarm_epoch)
             if not donors:
                 logger.info(f"No peer serves the swarm's epoch {swarm_epoch} for a download in ranges")
@@ -263,15 +263,25 @@ class SpreadDownload:
             # the records the peers keep of their epochs: the pieces go to the epoch before the swarm's newest (which
             # may still be in the making), where the check finds its records, or else to their newest
             newest = self.assembly.newest()
-            target = max(newest, self._agreement.saw(opt.tracker.global_epoch) - 1)
+            target = max(newest, self._swarm_epoch() - 1)
             oldest = self.assembly.oldest()
             if oldest < target and not self._bring_forward(target, donors) and \
                     oldest < newest and not self._bring_forward(newest, donors):
                 dropped = self.assembly.drop_before(newest)
                 logger.info(f"No round log brings the older ranges to epoch {newest}: downloading {dropped} again")
                 continue
-            return self._check(began)
+            checked = self._check(began)
+            if checked is not None:
+                return checked
         return False
+
+    def _swarm_epoch(self) -> int:
+        """The swarm's epoch, read now from the peers' progress records: the tracker's view lags behind a download
+        that fills the link (a GPT-2 small joiner brought its ranges to an epoch two behind the swarm's, whose
+        records had expired)."""
+        opt = self._swarm.optimizer
+        fresh = opt.read_swarm_epoch()
+        return self._agreement.saw(max(opt.tracker.global_epoch, fresh if fresh is not None else -1))
 
     def _donors(self, swarm_epoch: int) -> list[PeerID]:
         """Full peers that serve the reference bytes of the swarm's epoch or of the one before (a peer still
@@ -334,13 +344,20 @@ class SpreadDownload:
                     f"{donor}")
         return True
 
-    def _check(self, began: float) -> bool:
+    def _check(self, began: float) -> Optional[bool]:
+        """True once the pieces are loaded and agree with what the peers publish for their epoch; None when the
+        swarm moved past that epoch's records meanwhile (the pieces go forward again); else False."""
         epoch = self.assembly.newest()
         deadline = time.monotonic() + (RECORD_WAIT_S if epoch > 0 else 0.0)  # epoch 0: the swarm's start
         while (found := reference_of(self._agreement.records(epoch))) is None and time.monotonic() < deadline:
             if self._stop.wait(0.2):
                 return False
         if found is None and epoch > 0:
+            swarm_epoch = self._swarm_epoch()
+            if swarm_epoch - 1 > epoch:
+                logger.info(f"The swarm moved on to epoch {swarm_epoch} while the ranges came to epoch {epoch}, "
+                            f"whose records are gone: bringing them forward again")
+                return None
             logger.info(f"No peer publishes its bytes for epoch {epoch}: nothing to check the ranges against")
             return False
         with self._outer.writing():  # a range donor reading them sees them move

@@ -279,12 +279,13 @@ class SwarmOptimizer(hivemind.Optimizer):
             except TimeoutError:
                 if control.done() or time.monotonic() >= deadline:
                     raise  # the round's own error, or this wait's bound
-            epoch = self._read_swarm_epoch()
+            epoch = self.read_swarm_epoch()
             if epoch is not None:
                 self._swarm_at(epoch)
 
-    def _read_swarm_epoch(self) -> Optional[int]:
-        """The latest epoch in the full peers' progress records (hivemind's global epoch), or None."""
+    def read_swarm_epoch(self) -> Optional[int]:
+        """The latest epoch in the full peers' progress records (hivemind's global epoch), read now (bounded by
+        SWARM_EPOCH_EVERY_S), or None. The tracker's own view can be a minute old after a download filled the link."""
         try:
             found = self.dht.get(self.tracker.training_progress_key, latest=True, return_future=True)
             found = found.result(SWARM_EPOCH_EVERY_S)
