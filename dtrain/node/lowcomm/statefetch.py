@@ -251,6 +251,9 @@ class SpreadDownload:
                 return False
             swarm_epoch = self._swarm_epoch()
             donors = self._donors(swarm_epoch)
+            deadline = time.monotonic() + RECORD_WAIT_S  # a read that found nothing on a busy host, or a full link
+            while not donors and time.monotonic() < deadline and not self._stop.wait(0.5):
+                donors = self._donors(swarm_epoch)
             if not donors:
                 logger.info(f"No peer serves the swarm's epoch {swarm_epoch} for a download in ranges")
                 return False
