@@ -127,3 +127,49 @@ def test_a_donor_whose_state_is_moving_is_asked_again_not_dropped():
     assert assembly.load_into(got_params, got_codes, got_scales) == 5
     assert all(np.array_equal(a.numpy(), b) for a, b in zip(got_params, params))
     assert list(never.values()) and "NotHeld" in list(never.values())[0]
+
+
+class CuttingDonor(statefetch.RangeDonor):
+    """A donor whose first `cuts` answers stop after their first message, as a stream cut off in transit does."""
+
+    def __init__(self, *args, cuts: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cuts = cuts
+
+    async def serve(self, request, context):
+        cut, self.cuts = self.cuts > 0, self.cuts - 1
+        async for message in super().serve(request, context):
+            yield message
+            if cut:
+                return
+
+
+def test_an_answer_cut_short_is_asked_again_not_a_failed_donor():
+    """A range's answer that ends early (a GPT-2 small donor behind 20 Mbit/s sent one 256 KiB chunk of a range)
+    is no wrong answer: the range is asked again, and the donor, the joiner's only one here, is kept."""
+    params, codes, scales = state(3)
+    donor = CuttingDonor(LAYOUT, cuts=3)
+    donor.hold(3, params, codes, scales)
+
+    async def run():
+        server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        client = await P2P.create(initial_peers=[str(m) for m in await server.get_visible_maddrs()],
+                                  host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        try:
+            await server.add_protobuf_handler(statefetch.RANGE_HANDLER, donor.serve, wrappers_pb2.BytesValue,
+                                              stream_output=True)
+            assembly = ranges.Assembly(LAYOUT, range_elements=65_536)  # answers of two messages each
+            assert all(LAYOUT.answer_bytes(r) > statefetch.CHUNK_BYTES for r in assembly.ranges[:1])
+            failed = await statefetch.fetch_ranges(client, LAYOUT, [server.peer_id], assembly.ranges, 0, 20,
+                                                   lambda _, r, piece: assembly.add(r, piece), timeout_s=5.0)
+            return assembly, failed
+        finally:
+            await client.shutdown()
+            await server.shutdown()
+
+    assembly, failed = asyncio.run(run())
+    assert donor.cuts < 0 and failed == {} and assembly.missing() == [], failed
+    got_params = [torch.zeros(n) for n in SIZES]
+    got_codes, got_scales = zip(*(momentum8.zeros(p) for p in got_params))
+    assert assembly.load_into(got_params, got_codes, got_scales) == 3
+    assert all(np.array_equal(a.numpy(), b) for a, b in zip(got_params, params))

@@ -55,9 +55,20 @@ POLL_S = 2.0  # the joiner's thread looks at a pass this often (to keep announci
 MAX_PASSES = 10  # passes (donors read afresh, missing or stale ranges asked again) before hivemind's download
 
 
-class NotHeld(Exception):
+class NoWholeAnswer(Exception):
+    """A donor's answer that brought no whole range, for a reason that passes: the range is asked again
+    (`fetch_ranges`)."""
+
+
+class NotHeld(NoWholeAnswer):
     """A donor's empty answer: it holds no settled state of one epoch now (nothing published yet, or its outer step
     moved the momentum and the next snapshot did not come within its HOLD_WAIT_S)."""
+
+
+class CutShort(NoWholeAnswer):
+    """An answer whose stream ended before the range's bytes did: cut off in transit (a stream that its sender ends
+    while its last bytes are still on a slow link's way can lose them: node.lowcomm.gather), not a wrong answer. A
+    GPT-2 small donor behind 20 Mbit/s sent one chunk of a range and was dropped for it."""
 
 
 class Held(NamedTuple):
@@ -153,6 +164,8 @@ async def fetch_range(p2p: P2P, peer: PeerID, layout: ranges.StateLayout, r: ran
             chunks.append(message.value)
         if not size:
             raise NotHeld(f"{peer} holds no settled state of one epoch now")
+        if size < limit:
+            raise CutShort(f"{size} of the {limit} bytes of range {r.offset}+{r.length} came from {peer}")
         return b"".join(chunks)
 
     return layout.decode_piece(await asyncio.wait_for(receive(), timeout_s), r, min_epoch, max_epoch)
@@ -167,8 +180,8 @@ async def fetch_ranges(p2p: P2P, layout: ranges.StateLayout, donors: Sequence[Pe
     failed; a failed donor's range goes back for the others. Once nothing is left to ask, a donor with a free slot
     also asks for a range another donor is still sending (the first answer counts): a slow donor does not hold up
     the last ranges. A donor that answers nothing (NotHeld: its outer step is under way, which on a slow machine
-    outlasts its wait for the next snapshot) gives its range back and is asked again a moment later; it has failed
-    once it answered nothing else for `not_held_limit_s`. Returns the failed donors and why."""
+    outlasts its wait for the next snapshot) or an answer cut short gives its range back and is asked again a moment
+    later; it has failed once it answered nothing whole for `not_held_limit_s`. Returns the failed donors and why."""
     queue, failed = deque(todo), {}
     fetching: dict[ranges.Range, set] = {}  # range -> the donors asked for it, in the order they were asked
     done: set = set()
@@ -197,7 +210,7 @@ async def fetch_ranges(p2p: P2P, layout: ranges.StateLayout, donors: Sequence[Pe
             asked.add(donor)
             try:
                 piece = await fetch_range(p2p, donor, layout, r, min_epoch, max_epoch, timeout_s)
-            except NotHeld as e:
+            except NoWholeAnswer as e:
                 give_back(r, donor)
                 since = moving.setdefault(donor, time.monotonic())
                 if time.monotonic() - since >= not_held_limit_s:
