@@ -9,6 +9,8 @@ import time
 import pytest
 import torch
 
+from dtrain.node.swarm import agreement as agreement_module
+from dtrain.node.swarm import records as dht_records
 from dtrain.node.swarm import swarm
 from dtrain.node.train.adamw import make_local_optimizer
 from dtrain.node.swarm.agreement import KEEP_EPOCHS, Agreement, Download
@@ -129,6 +131,27 @@ def test_a_served_update_outranks_a_later_one_which_carries_its_gradient(peers):
     assert verdict.reference == other.peer_id
     assert not verdict.included  # its gradient is not in `other`'s update: the node carries it
     assert other.agreement.recheck(other_snap, force=True) is other_snap
+
+
+def test_a_peers_records_outlive_their_ttl_while_its_training_thread_is_busy(monkeypatch):
+    """A peer's records stay readable however long its training thread does not come back (a minute-long outer
+    round of GPT-2 small on 2 cores): they are refreshed on a thread of their own. Refreshed between iterations of
+    the training thread, they lapsed inside every such round, and a joiner found no record to check its download
+    against."""
+    monkeypatch.setattr(dht_records, "RECORD_TTL_S", 2.0)
+    monkeypatch.setattr(agreement_module, "KEEP_ALIVE_S", 0.5)
+    run_id = new_run_id()
+    publisher = Peer(run_id)
+    reader = Peer(run_id, initial_peers=publisher.swarm.maddrs)
+    try:
+        publisher.agreement.vouch(publisher.snapshot())  # and nothing more from its training thread
+        time.sleep(3 * dht_records.RECORD_TTL_S)
+        assert set(reader.agreement.records(EPOCH)) == {publisher.peer_id}
+        publisher.stop.set()  # the node stops: its records lapse
+        wait_until(lambda: not reader.agreement.records(EPOCH), 10, "the stopped peer's records to expire")
+    finally:
+        reader.shutdown()
+        publisher.shutdown()
 
 
 def test_a_failed_download_is_not_confirmed_by_the_own_record(peers):

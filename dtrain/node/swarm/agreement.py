@@ -121,7 +121,7 @@ def reference_of(records: Mapping[str, Record]) -> Optional[tuple[str, Record]]:
 
 class Agreement:
     """One peer's side of the agreement; every method runs on the training thread (a recheck's reads between
-    updates on a thread of their own)."""
+    updates, and the refresh of this peer's records, on threads of their own)."""
 
     def __init__(self, dht: hivemind.DHT, optimizer: SwarmOptimizer, model: torch.nn.Module, config: SwarmConfig,
                  stop: threading.Event, seed_digest: str, owner: dht_records.RecordOwner,
@@ -140,8 +140,8 @@ class Agreement:
         # between updates, rechecks read the records on a thread of their own: (epoch, what the last read found)
         self._reads = dht_records.ReadAhead(dht, "dtrain-recheck-read")
         self._read: Optional[tuple[int, dict[str, dict]]] = None
-        self._next_keep_alive = 0.0
         self._swarm_epoch = 0  # the latest epoch of the swarm this peer has seen (see `saw`)
+        threading.Thread(target=self._keep_alive, name="dtrain-records", daemon=True).start()
 
     @property
     def wait_s(self) -> float:
@@ -181,14 +181,17 @@ class Agreement:
         self._publish(snap.updates, Record(snap.digest, priority=float(snap.updates), served=True,
                                            client=self.client, hparams=self.hparams))
 
-    def keep_alive(self) -> None:
-        """Refresh this peer's latest records (records expire after dht_records.RECORD_TTL_S), at most every
-        KEEP_ALIVE_S: call it after every iteration."""
-        if time.monotonic() < self._next_keep_alive:
-            return
-        self._next_keep_alive = time.monotonic() + KEEP_ALIVE_S
-        for epoch, record in self._records.items():
-            dht_records.store(self.dht, self._key(epoch), self.owner, record.as_dict(), wait=False)
+    def _keep_alive(self) -> None:
+        """This peer's latest records refreshed every KEEP_ALIVE_S until the node stops (they expire after
+        dht_records.RECORD_TTL_S), on a thread of its own: refreshed by the training thread between iterations,
+        they lapsed during every outer round longer than their life (a GPT-2 small round on 2 cores behind
+        20 Mbit/s takes a minute), and a joiner then found no record of the epoch its download came to."""
+        while not self._stop.wait(KEEP_ALIVE_S):
+            for epoch, record in list(self._records.items()):  # `_publish` replaces them on the training thread
+                try:
+                    dht_records.store(self.dht, self._key(epoch), self.owner, record.as_dict(), wait=False)
+                except Exception as e:  # a DHT shutting down, or not answering: the next refresh may do
+                    logger.debug(f"Refreshing the record of epoch {epoch} failed: {e!r}")
 
     # ---- downloads -----------------------------------------------------------------------------------------
 

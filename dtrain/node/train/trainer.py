@@ -398,11 +398,9 @@ class TrainingNode:
         return self.dataset is not None and self._peers_arrived
 
     def housekeeping(self) -> None:
-        """After each iteration: the presence record and agreement kept alive, the checkpoint when one is due."""
+        """After each iteration: the presence record kept alive (the agreement's records keep themselves,
+        node.swarm.agreement), the heap trimmed and the checkpoint made when due."""
         self.presence.keep_fresh(self.step, self.gradient.samples)
-        # on a timer of its own: the presence is also refreshed elsewhere (alone, --wait-for-peers), which left
-        # this peer's records to expire in a swarm waiting for peers or idle
-        self.agreement.keep_alive()
         if time.monotonic() >= self._next_trim:  # the free pages the training passes left in the heap (node.memory)
             self.publisher.background.trim()  # off this thread
             self._next_trim = time.monotonic() + TRIM_EVERY_S
