@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dtrain.node.lowcomm.gather import HEADER, UNKNOWN_EPOCH, _Arriving, _TooLarge, framed, framed_size, unframed
+from dtrain.node.lowcomm.gather import _Arriving, _TooLarge
+from dtrain.node.lowcomm.roundfiles import HEADER, UNKNOWN_EPOCH, framed, framed_size, unframed
 
 pytestmark = pytest.mark.unit
 

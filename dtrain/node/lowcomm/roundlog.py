@@ -32,7 +32,7 @@ from hivemind.utils.logging import get_logger
 
 from dtrain.node.lowcomm import momentum as momentum8
 from dtrain.node.lowcomm import record, sparse
-from dtrain.node.lowcomm.gather import RoundFiles
+from dtrain.node.lowcomm.roundfiles import RoundFiles
 from dtrain.node.snapshot import params_digest
 from dtrain.node.swarm.agreement import reference_of
 from dtrain.node.swarm.deadlines import Deadline, round_deadline
@@ -257,7 +257,7 @@ class CatchUp:
         self.log = RoundLog(max_bytes=int(STATE_BYTES_PER_ELEMENT * self._total))
         self._limit = member_limit([p.numel() for p in self._params], fraction)
         self._fraction = fraction
-        self._files: RoundFiles = swarm.optimizer.grad_averager.round_files  # node.lowcomm.gather
+        self._files: RoundFiles = swarm.optimizer.grad_averager.round_files  # node.lowcomm.roundfiles
         self._pending: Optional[OnDisk] = None
         self._collected: dict[int, Round] = {}  # rounds fetched while the node downloaded (`collecting`)
         self._collected_lock = threading.Lock()
