@@ -18,7 +18,7 @@ Every member sends its epoch with its payload (the epoch of the anchor its pseud
 length, and every payload is averaged. A group holds members at one epoch (node.swarm.groupsize.SameEpochGroup); a
 round whose payloads name different epochs all the same is logged.
 
-The node and its averager's process share two unlinked files (node.lowcomm.roundfiles, opened before the fork): the node
+The node and its averager's process share two unlinked files (node.lowcomm.roundfiles, made before the fork): the node
 writes there the payload it offers and its epoch (the payload is the one it built, so the averager does not encode
 `.grad` again), and the averager writes there each round's record, every member's payload and weight
 (node.lowcomm.record), which the node keeps in its round log once it applies that round's average.
