@@ -70,3 +70,57 @@ def test_children_forked_from_the_main_thread_die_with_a_killed_parent():
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+DHT_PARENT = textwrap.dedent("""
+    import time, hivemind
+    from dtrain.node.children import die_with_this_process
+    die_with_this_process()
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    print(dht.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def _children_of(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_libp2p_daemon_dies_with_a_killed_node():
+    """The DHT's p2pd, which hivemind starts with subprocess (no fork hooks run), ends with the node's DHT process:
+    a killed node's connections close at once, and it can start again with its identity."""
+    parent = subprocess.Popen([sys.executable, "-c", DHT_PARENT], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    daemons = []
+    try:
+        dht = int(parent.stdout.readline())
+        daemons = [pid for pid in _children_of(dht) if "p2pd" in _cmdline(pid)]
+        assert len(daemons) == 1, [_cmdline(pid) for pid in _children_of(dht)]
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while (_alive(dht) or _alive(daemons[0])) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(dht), "the DHT process outlived the killed node"
+        assert not _alive(daemons[0]), "p2pd outlived the killed node's DHT process"
+    finally:
+        parent.kill()
+        for pid in daemons:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -104,8 +104,8 @@ def test_a_round_whose_members_brought_no_samples_is_aborted_on_every_member():
 
 class Mortal(SparseGatherAverager):
     """A member that dies inside a round in which it is to call another member, before it calls: its own process is
-    killed, and its libp2p daemon too when `daemon_pid` is set (a killed node's daemon, a process of its own, may
-    outlive it and keep its connections); `dies` is set by the test. As the last member of its group (it calls
+    killed, and its libp2p daemon too when `daemon_pid` is set (or the daemon, in the test's process, stays: an averager
+    gone while its node's connections stay open); `dies` is set by the test. As the last member of its group (it calls
     nobody) it takes part: the next round shuffles the group again."""
 
     def __init__(self, *args, **kwargs):

@@ -253,9 +253,8 @@ class SparseGatherAverager(CommittingGradientAverager):
         """Ends the round early (`_Round.fail`) once it cannot complete, every WATCH_EVERY_S until it is over:
         - a member already said in the commit step that its exchange failed (node.swarm.commit);
         - a member that is to call this one (`Plan.accept`) has not called GONE_AFTER_S into the round, and its
-          averager does not answer a call (`_still_there`): its process is gone. Not its connection: a killed node's
-          libp2p daemon is a process of its own, which lives on for its idle timeout (30 s) and keeps the node's
-          connections open, but it cannot hand a call to an averager that is gone.
+          averager does not answer a call (`_still_there`): its process is gone. Not its connection: the averager is a
+          process of its own, which can be gone while its node's DHT and libp2p daemon keep the connections open.
         A member that called and stopped part-way ends the round from its stream (`_receive`). Without this, a
         member killed inside a round cost the others the whole deadline (38 s for the default model at 10 Mbit/s).
         A live member that is busy answers late or not at all, and is waited for until the deadline, as is a
