@@ -70,13 +70,15 @@ class SwarmOptimizer(hivemind.Optimizer):
                  settle_s: float, swarm_key: Optional[bytes] = None, failed_rounds_carried: int = 0,
                  others_present: Callable[[], bool] = lambda: False, round_due: Optional[Callable[[], bool]] = None,
                  announced_epochs: Callable[[], Mapping[str, int]] = dict,
+                 isolated: Callable[[], bool] = lambda: False,
                  before_state_load: Optional[Callable[[], None]] = None, **kwargs):
         """`local_gradients`: this peer's exact gradient, applied when the swarm's average is unavailable;
         `others_present`, `round_due`, `announced_epochs`: the tracker's (node.swarm.tracker.PacedTracker);
         `before_state_load`: called before every download of the state, which replaces the parameters (low-comm:
         the node sets the inner updates' parameters aside, node.lowcomm.rounds.InnerRounds.enter_outer).
         `failed_rounds_carried`: how many failed rounds in a row at one epoch make no update while other peers train
-        (`_no_round_alone`); 0: every failed round is an update on this peer's own gradient."""
+        (`_no_round_alone`); 0: every failed round is an update on this peer's own gradient. `isolated`: this peer
+        reaches none of the peers it trained with (node.swarm.contact), and makes no update alone."""
         self._local_gradients = local_gradients
         self._others_present, self._round_due, self._announced_epochs = others_present, round_due, announced_epochs
         self._swarm_key = swarm_key  # a closed swarm: the state averager's RPCs answer only holders of the key
@@ -87,6 +89,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._round_clean = False
         self.skipped_rounds = 0  # rounds that failed with no gradient this peer could apply alone: no update
         self._failed_rounds_carried = failed_rounds_carried
+        self._isolated = isolated
         self._failed_in_a_row = (-1, 0)  # (epoch, rounds of that epoch that failed so far)
         self.arrived_in: Optional[int] = None  # the epoch this peer arrived in late (node.train.follow.arrive_late)
         self._round_samples = 0  # samples this peer brought to the round being run
@@ -126,7 +129,10 @@ class SwarmOptimizer(hivemind.Optimizer):
         # would then download the state of the one the agreement serves (41 s at 20 Mbit/s for the default model).
         # Making no update, they stay on one anchor and average their gradients in the next round, which a member
         # that left no longer holds up (node.lowcomm.gather). After that many failures in a row the peer updates
-        # alone, so a round that keeps failing for one peer cannot stall it for ever.
+        # alone, so a round that keeps failing for one peer cannot stall it for ever. Nor, whatever the swarm's
+        # progress shows, does a peer `isolated` from the peers it trained with (node.swarm.contact): alone, it
+        # would run its epoch ahead of theirs, and when it reached them again they would take its bytes for the
+        # swarm's; making none, it is behind them then, catches up and carries its gradient into their next round.
         failed = self._failed_round()
         if behind:  # its round ended in matchmaking (node.swarm.groupsize): the swarm's update is already made
             why = ": the swarm moved on; this peer catches up and its gradient waits for the swarm's next round"
@@ -139,6 +145,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         elif others and carry and failed <= self._failed_rounds_carried:
             why = (f" alone while others train; its gradient waits for the swarm's next round ({failed} of at most "
                    f"{self._failed_rounds_carried} failed rounds in a row)")
+        elif self._isolated():
+            why = " alone: this peer reaches none of the peers it trained with; its gradient waits for them"
         else:
             return
         raise NoSwarmRound(f"Gradient round failed ({reason}): no update{why}")

@@ -28,6 +28,7 @@ from hivemind.utils.logging import get_logger
 from dtrain.node import checkpoint as ckpt
 from dtrain.node import memory
 from dtrain.node.swarm.agreement import Agreement, Download
+from dtrain.node.swarm.contact import Contact
 from dtrain.node.config import ConfigError, ModelConfig, NodeConfig, TrainConfig
 from dtrain.node.contribution import Contribution
 from dtrain.node.data import TokenDataset
@@ -129,6 +130,7 @@ class TrainingNode:
         self.donor: Optional[RangeDonor] = None  # sparse codec, --state-donors: serves ranges of the served state
         self.swarm: Optional[Swarm] = None
         self.presence: Optional[Presence] = None
+        self.contact: Optional[Contact] = None  # the peers it trained with, reached again (node.swarm.contact)
         self.agreement: Optional[Agreement] = None
         self.publisher: Optional[StepPublisher] = None  # the served step, from the end of the join on
         self._stop = threading.Event()
@@ -158,6 +160,8 @@ class TrainingNode:
         try:
             self._join()
         except BaseException:
+            if self.contact is not None:
+                self.contact.stop()
             if self.swarm is not None:
                 self.swarm.shutdown()
             raise
@@ -293,6 +297,7 @@ class TrainingNode:
             round_clock=self.round_clock,
             others_present=lambda: self.presence is not None and not self.presence.alone(),
             announced_epochs=lambda: self.presence.epochs() if self.presence is not None else {},
+            isolated=lambda: self.contact is not None and self.contact.isolated(),
             # low-comm: the loop's rule; whatever downloads sets the inner updates' parameters aside first
             round_due=(lambda: self.loop.round_due) if self.low_comm else None,
             before_state_load=(lambda: self.rounds is not None and self.rounds.enter_outer()) if self.low_comm else None)
@@ -302,6 +307,7 @@ class TrainingNode:
             opt.tracker.report_local_progress(restored.epoch, 0)
         self.presence = Presence(swarm.dht, swarm.run_id, swarm.owner, swarm.maddrs, cfg.port,
                                  model=self.model_config.architecture(), epoch=lambda: swarm.epoch)
+        self.contact = Contact(swarm.dht, swarm.peer_id, lambda: self.presence.nodes).start()
         self.agreement = Agreement(swarm.dht, opt, self.model, self.swarm_config, self._stop, seed_digest,
                                    swarm.owner, present=lambda: self.presence.alive(swarm.service))
         self._rng = np.random.default_rng(int.from_bytes(swarm.peer_id.encode()[-8:], "little"))
@@ -383,6 +389,7 @@ class TrainingNode:
             logger.exception(f"Training thread failed: {e}")
         finally:
             self._save_checkpoint()
+            self.contact.stop()
             self.swarm.shutdown()
             logger.info("Swarm connection closed")
 
