@@ -105,6 +105,8 @@ def test_a_catch_up_that_fails_leaves_the_node_training_on_and_the_next_one_serv
         step, inner = node.step, _inner_updates(node)
         wait_until(lambda: node.step >= step + 2, 60, "served steps after the failed catch-up")
         assert _inner_updates(node) >= inner + 3 and not node.unverified
+        # alone, it arrived late in no epoch: marked so (when its own samples were counted), it never updated again
+        assert node.swarm.optimizer.arrived_in is None
     finally:
         node.stop()
 

@@ -163,8 +163,8 @@ class SwarmFollower:
         if node.rounds is None or node.unverified:
             return
         progress = node.swarm.optimizer.tracker.global_progress
-        if progress.epoch != node.swarm.epoch or progress.samples_accumulated <= 0:
-            return
+        if progress.epoch != node.swarm.epoch or progress.samples_accumulated <= 0 or progress.num_peers <= 1:
+            return  # nobody else trains in this epoch (a node alone counts its own samples): it arrives nowhere
         node.swarm.optimizer.arrived_in = progress.epoch  # no update alone in it (SwarmOptimizer._no_round_alone)
         others = max(1, progress.num_peers - 1)
         done = int(progress.samples_accumulated / others / max(1, node.config.local_batch_size))
