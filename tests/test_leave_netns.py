@@ -27,8 +27,8 @@ pytestmark = [pytest.mark.netns, pytest.mark.timeout(420),
 
 RATE_MBIT = 8
 INNER = 4
-CUT_S = 60.0  # more than C's carried rounds (three failures at the matchmaking time below) and its connections last
-TIMEOUTS = ["--matchmaking-time", "5", "--request-timeout", "3", "--averaging-timeout", "15"]
+CUT_S = 40.0  # more than C's carried rounds (three failures, at the averaging timeout below) and its connections last
+TIMEOUTS = ["--matchmaking-time", "5", "--request-timeout", "3", "--averaging-timeout", "8"]
 UPDATE = re.compile(r"\] update (\d+): .* (\d+) peers, ")
 FAILED = re.compile(r"Gradient averaging failed|Gradient round failed")
 ISOLATED = "reaches none of the 2 peers it trained with"
