@@ -39,6 +39,21 @@ PARENT = textwrap.dedent("""
 """)
 
 
+def _kill(parent: subprocess.Popen, pids) -> None:
+    parent.kill()
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _gone_within(pids, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -58,18 +73,11 @@ def test_children_forked_from_the_main_thread_die_with_a_killed_parent():
         assert _alive(from_thread), "a child forked from a thread that ended was killed with the thread"
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
-        deadline = time.monotonic() + 10
-        while _alive(from_main) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _gone_within([from_main], 10)
         assert not _alive(from_main), "the child outlived its killed parent"
         assert _alive(from_thread)
     finally:
-        parent.kill()
-        for pid in children:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill(parent, children)
 
 
 DHT_PARENT = textwrap.dedent("""
@@ -112,15 +120,8 @@ def test_the_libp2p_daemon_dies_with_a_killed_node():
         assert len(daemons) == 1, [_cmdline(pid) for pid in _children_of(dht)]
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
-        deadline = time.monotonic() + 10
-        while (_alive(dht) or _alive(daemons[0])) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _gone_within([dht, daemons[0]], 10)
         assert not _alive(dht), "the DHT process outlived the killed node"
         assert not _alive(daemons[0]), "p2pd outlived the killed node's DHT process"
     finally:
-        parent.kill()
-        for pid in daemons:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill(parent, daemons)

@@ -61,14 +61,19 @@ def stamped(output: str, pattern: re.Pattern) -> list[float]:
     return [stamp(line) for line in output.splitlines() if pattern.search(line)]
 
 
-@pytest.mark.timeout(600)
-def test_the_founder_keeps_training_while_a_joiner_downloads_and_when_it_comes_back(tmp_path):
+def sparse_swarm_args(tmp_path, timeouts) -> list[str]:
+    """A tiny sparse low-comm node training on its own text (written under tmp_path), with `timeouts`."""
     text = tmp_path / "train.txt"
     from tests.texts import write_shakespeare
     write_shakespeare(text, 30_000)
-    args = ["--model-config", str(TINY_CONFIG), "--train-data", str(text), "--local-batch-size", "2",
+    return ["--model-config", str(TINY_CONFIG), "--train-data", str(text), "--local-batch-size", "2",
             "--local-seq-len", "32", "--sync", "low-comm", "--inner-steps", str(INNER), "--wire-codec", "sparse",
-            "--topk-fraction", "0.01", *TIMEOUTS]
+            "--topk-fraction", "0.01", *timeouts]
+
+
+@pytest.mark.timeout(600)
+def test_the_founder_keeps_training_while_a_joiner_downloads_and_when_it_comes_back(tmp_path):
+    args = sparse_swarm_args(tmp_path, TIMEOUTS)
     b_args = [*args, "--identity-path", str(tmp_path / "b.identity")]
     run_id, nodes = new_run_id(), []
     with netns.Net() as net:

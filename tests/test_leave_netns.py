@@ -18,15 +18,14 @@ import time
 import pytest
 
 from tests import netns
-from tests.nodeproc import TINY_CONFIG, maddrs_on, new_run_id, shown_on_failure, start_in, wait_until
-from tests.test_join_netns import stamp
+from tests.nodeproc import maddrs_on, new_run_id, shown_on_failure, start_in, wait_until
+from tests.test_join_netns import sparse_swarm_args, stamp
 
 REASON = netns.unavailable_reason()
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(420),
               pytest.mark.skipif(REASON is not None, reason=f"network namespaces unavailable: {REASON}")]
 
 RATE_MBIT = 8
-INNER = 4
 CUT_S = 40.0  # more than C's carried rounds (three failures, at the averaging timeout below) and its connections last
 TIMEOUTS = ["--matchmaking-time", "5", "--request-timeout", "3", "--averaging-timeout", "8"]
 UPDATE = re.compile(r"\] update (\d+): .* (\d+) peers, ")
@@ -45,12 +44,7 @@ def failures(log: str, since: float) -> list[str]:
 
 
 def test_a_node_that_loses_its_network_costs_the_others_one_round_and_comes_back_behind(tmp_path):
-    text = tmp_path / "train.txt"
-    from tests.texts import write_shakespeare
-    write_shakespeare(text, 30_000)
-    args = ["--model-config", str(TINY_CONFIG), "--train-data", str(text), "--local-batch-size", "2",
-            "--local-seq-len", "32", "--sync", "low-comm", "--inner-steps", str(INNER), "--wire-codec", "sparse",
-            "--topk-fraction", "0.01", *TIMEOUTS]
+    args = sparse_swarm_args(tmp_path, TIMEOUTS)  # the tiny model, --inner-steps 4 (INNER there)
     run_id, nodes = new_run_id(), []
     with netns.Net() as net:
         hosts = {name: net.host(name.lower(), rate_mbit=RATE_MBIT) for name in "ABC"}
