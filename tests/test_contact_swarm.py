@@ -8,7 +8,7 @@ import hivemind
 from hivemind.utils import get_dht_time
 import pytest
 
-from dtrain.node.swarm.contact import ANSWERED, REFUSED, Contact
+from dtrain.node.swarm.contact import ANSWERED, QUIET_AFTER_S, REFUSED, Contact
 from dtrain.node.swarm.presence import PeerInfo
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
@@ -34,8 +34,10 @@ def test_a_ping_puts_a_peer_back_in_the_routing_table_and_an_ended_peer_is_forgo
     try:
         b.store("held-by-b", "value", get_dht_time() + 60)
         assert a.get("held-by-b", latest=True) is None  # a reaches nobody
-        contact = Contact(a, str(a.peer_id), lambda: {str(d.peer_id): announced(d, get_dht_time())
-                                                      for d in (b, c)})
+        contact = Contact(a, str(a.peer_id), lambda: {str(d.peer_id): announced(d, get_dht_time()) for d in (b, c)})
+        assert contact.reach_all() == {}  # both announced themselves just now: no ping
+        quiet = get_dht_time() - QUIET_AFTER_S - 1
+        contact = Contact(a, str(a.peer_id), lambda: {str(d.peer_id): announced(d, quiet) for d in (b, c)})
         assert contact.reach_all() == {str(b.peer_id): ANSWERED, str(c.peer_id): ANSWERED}
         found = a.get("held-by-b", latest=True)
         assert found is not None and found.value == "value"  # b is in a's routing table again
@@ -43,7 +45,7 @@ def test_a_ping_puts_a_peer_back_in_the_routing_table_and_an_ended_peer_is_forgo
 
         gone = str(c.peer_id)
         c.shutdown()  # its p2pd ends: the port is closed, a dial is refused (once libp2p's dial backoff allows one)
-        contact._announced = lambda: {str(b.peer_id): announced(b, get_dht_time())}
+        contact._announced = lambda: {}  # nobody announces: both are pinged
         outcomes = []
         deadline = time.monotonic() + 60
         while gone in contact.known and time.monotonic() < deadline:

@@ -7,8 +7,9 @@ pace, and its epoch runs ahead of the swarm's; met again, hivemind's tracker wou
 swarm's and the swarm would download the bytes one node made alone.
 
 `Contact` remembers every node the presence records showed, with its libp2p addresses, for REMEMBER_S after it was
-last heard from. Every REACH_EVERY_S a thread of its own dials each at its addresses (nothing to do when connected)
-and pings it from the DHT; an answer puts each node back in the other's routing table, which heals the split.
+last heard from. Every REACH_EVERY_S a thread of its own dials each that has not announced itself for QUIET_AFTER_S
+at its addresses (nothing to do when connected) and pings it from the DHT; an answer puts each node back in the
+other's routing table, which heals the split. A swarm whose nodes announce themselves sends no ping.
 A node whose dial is refused has ended (its host answers, its port is closed) and is forgotten.
 
 `isolated()`: this node remembers two or more peers and has heard from none of them for SILENT_AFTER_S. That many
@@ -34,6 +35,7 @@ from hivemind.utils.multiaddr import Multiaddr
 logger = get_logger(__name__)
 
 REACH_EVERY_S = 5.0
+QUIET_AFTER_S = 10.0  # a peer is dialled and pinged once it has not announced itself (every 3 s) for this long
 SILENT_AFTER_S = 20.0  # no answer and no announcement for this long: out of reach
 REMEMBER_S = 600.0  # a peer not heard from for this long is forgotten: this node goes on as a swarm of its own
 DIAL_TIMEOUT_S = 5.0
@@ -124,14 +126,15 @@ class Contact:
                     known.heard = max(known.heard, announced_at)
 
     def reach_all(self) -> dict[str, str]:
-        """Pings every remembered peer once (concurrently, in the DHT's process); forgets those refused and those not
-        heard from for REMEMBER_S. Returns peer id -> ANSWERED, REFUSED or SILENT."""
+        """Pings once (concurrently, in the DHT's process) every remembered peer not heard from for QUIET_AFTER_S: one
+        that announces itself needs no ping. Forgets those refused and those not heard from for REMEMBER_S. Returns
+        peer id -> ANSWERED, REFUSED or SILENT."""
         self.note_announcements()
         now = self._clock()
         with self._lock:
             for peer in [p for p, k in self.known.items() if now - k.heard > REMEMBER_S]:
                 del self.known[peer]
-            targets = {peer: k.maddrs for peer, k in self.known.items()}
+            targets = {peer: k.maddrs for peer, k in self.known.items() if now - k.heard > QUIET_AFTER_S}
         if not targets:
             return {}
         futures = {peer: self._dht.run_coroutine(partial(reach, peer, maddrs), return_future=True)
