@@ -207,8 +207,8 @@ class SwarmOptimizer(hivemind.Optimizer):
             self.scheduled_grads = self.grad_averager.schedule_step(timeout=self.averaging_timeout)
         began = super()._begin_averaging_gradients(grad_scaler)
         if not began:  # hivemind's reasons: alone in the swarm's progress, or a pre-scheduled round already used
-            others = self.tracker.global_progress.num_peers > 1
-            self._no_round_alone("the gradient round could not begin", others=others, carry=others)
+            self._no_round_alone("the gradient round could not begin",
+                                 carry=self.tracker.global_progress.num_peers > 1)
             # hivemind goes on with whatever is in .grad (the raw accumulators): put the exact gradient there
             self._load_exact_local_gradients()
             if self.before_update is not None:  # as after a round: this update goes into the round log too
