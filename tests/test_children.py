@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 
+import psutil
 import pytest
 
 pytestmark = pytest.mark.unit
@@ -90,24 +91,6 @@ DHT_PARENT = textwrap.dedent("""
 """)
 
 
-def _children_of(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        found.append(int(entry))
-            except (FileNotFoundError, ProcessLookupError):
-                pass
-    return found
-
-
-def _cmdline(pid: int) -> str:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return f.read().replace(b"\0", b" ").decode()
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_the_libp2p_daemon_dies_with_a_killed_node():
     """The DHT's p2pd, which hivemind starts with subprocess (no fork hooks run), ends with the node's DHT process:
@@ -116,8 +99,9 @@ def test_the_libp2p_daemon_dies_with_a_killed_node():
     daemons = []
     try:
         dht = int(parent.stdout.readline())
-        daemons = [pid for pid in _children_of(dht) if "p2pd" in _cmdline(pid)]
-        assert len(daemons) == 1, [_cmdline(pid) for pid in _children_of(dht)]
+        children = psutil.Process(dht).children()
+        daemons = [p.pid for p in children if "p2pd" in p.name()]
+        assert len(daemons) == 1, [p.name() for p in children]
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
         _gone_within([dht, daemons[0]], 10)

@@ -37,5 +37,5 @@ def test_isolated_only_while_two_or_more_remembered_peers_are_all_silent():
 
 
 def test_dialable_drops_the_peer_id():
-    assert dialable("Qm", ["/ip4/1.2.3.4/tcp/5/p2p/Qm", "/ip4/1.2.3.4/udp/5/quic/p2p/Qm"]) == (
+    assert dialable(["/ip4/1.2.3.4/tcp/5/p2p/Qm", "/ip4/1.2.3.4/udp/5/quic/p2p/Qm"]) == (
         "/ip4/1.2.3.4/tcp/5", "/ip4/1.2.3.4/udp/5/quic")

@@ -32,6 +32,8 @@ from hivemind.p2p import PeerID
 from hivemind.utils.logging import get_logger
 from hivemind.utils.multiaddr import Multiaddr
 
+from dtrain.node.swarm.presence import PeerInfo
+
 logger = get_logger(__name__)
 
 REACH_EVERY_S = 5.0
@@ -48,8 +50,8 @@ class Known:
     heard: float  # DHT time it last answered a ping or announced itself
 
 
-def dialable(peer_id: str, maddrs) -> tuple[str, ...]:
-    """`maddrs` as the daemon dials them: the /p2p/<peer_id> part taken off."""
+def dialable(maddrs) -> tuple[str, ...]:
+    """`maddrs` as the daemon dials them: the /p2p/<peer id> part taken off."""
     return tuple(str(m).split("/p2p/")[0] for m in maddrs if str(m).split("/p2p/")[0])
 
 
@@ -69,7 +71,7 @@ async def reach(peer_id: str, maddrs: tuple[str, ...], _dht, node) -> str:
 class Contact:
     """The peers this node remembers, reached again every REACH_EVERY_S on a thread of its own (`start`)."""
 
-    def __init__(self, dht: hivemind.DHT, peer_id: str, announced: Callable[[], Mapping[str, object]],
+    def __init__(self, dht: hivemind.DHT, peer_id: str, announced: Callable[[], Mapping[str, PeerInfo]],
                  clock: Callable[[], float] = time.time):
         """`announced`: peer id -> what it announced (node.swarm.presence.PeerInfo: `maddrs`, `time`)."""
         self._dht, self._peer_id, self._announced, self._clock = dht, peer_id, announced, clock
@@ -115,8 +117,7 @@ class Contact:
         for peer, info in dict(self._announced()).items():
             if peer == self._peer_id:
                 continue
-            maddrs = dialable(peer, getattr(info, "maddrs", ()))
-            announced_at = float(getattr(info, "time", 0.0))
+            maddrs, announced_at = dialable(info.maddrs), float(info.time)
             with self._lock:
                 known = self.known.get(peer)
                 if known is None:
