@@ -262,6 +262,8 @@ def _schemas() -> dict:
             "accepted_packets": integer, "accepted_samples": integer, "applied_packets": integer,
             "applied_samples": integer, "carried_packets": integer, "carried_samples": integer,
             "pending_samples": integer, "last_update_s": {"type": "number"}, "skipped_rounds": integer,
+            "round_samples": {"type": "integer", "description": "low-comm: samples of the node's own data trained "
+                              "while its outer rounds ran, each round's the first inner update of the next"},
             "closed": {"type": "boolean", "description": "a closed swarm (--swarm-key): only peers that hold the key "
                        "can join; open otherwise (docs/peers.md)"},
             "sync": {"enum": ["per-step", "low-comm"]},

@@ -42,19 +42,22 @@ class InnerRounds:
     def __init__(self, params: Sequence[torch.nn.Parameter], inner: torch.optim.Optimizer, inner_steps: int,
                  fraction: Optional[float] = None,
                  published: Optional[Callable[[], Optional[Sequence[np.ndarray]]]] = None, min_round_s: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic, trained: Optional[Sequence[torch.Tensor]] = None):
+                 clock: Callable[[], float] = time.monotonic, trained: Optional[Sequence[torch.Tensor]] = None,
+                 before_write: Callable[[], None] = lambda: None):
         """`published`: the fp32 arrays of the snapshot the node serves now (node.snapshot), if any. The anchor is
         the served bytes in the usual case: then it reads them there instead of holding a copy of its own (P).
         `min_round_s`: the round is due once `inner_steps` are done and this long has passed since its first inner
         update (a fast device makes more inner updates, not more served steps). `trained`: the device's own copy of
         `params` (node.train.compute.Compute.resident), which `inner` steps instead: the parameters (hivemind's, on
         the CPU) take its values when a round begins and give it theirs when the round ends, and nothing else crosses
-        between them."""
+        between them. `before_write`: called before the round writes the parameters (the outer step, a download
+        that replaces them): whatever reads them meanwhile (node.train.ahead) is done when it returns."""
         if inner_steps < 1:
             raise ValueError(f"inner steps must be >= 1, got {inner_steps!r}")
         if not min_round_s >= 0:
             raise ValueError(f"min_round_s must be >= 0, got {min_round_s!r}")
         self.min_round_s, self._clock = min_round_s, clock
+        self.before_write = before_write
         self._first_step_at = 0.0  # when the round's first inner update was made
         if fraction is not None and not 0.0 < fraction <= 1.0:
             raise ValueError(f"top-k fraction must be in (0, 1], got {fraction!r}")
@@ -203,6 +206,7 @@ class InnerRounds:
         are aside, or once the outer step moved them (their pseudo-gradient is in .grad then)."""
         if self._inner is not None or self._moved:
             return
+        self.before_write()
         self._params_take_trained()
         with torch.no_grad():
             self._inner = [p.detach().clone() for p in self.params]
@@ -449,6 +453,7 @@ class RoundSource:
         """The round's start for `p` while `p` still holds the inner updates' value (the step goes from there);
         None when `p` holds the value to step itself (a download replaced it, or the round is over)."""
         rounds, i = self._rounds, self._index.get(id(p))
+        rounds.before_write()  # the outer step writes `p` next
         if i is None or not rounds.in_outer or rounds._inner is not None or i in rounds._moved:
             return None
         return rounds.anchor[i]
@@ -456,6 +461,7 @@ class RoundSource:
     def inner(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         """The inner updates' value of `p` when it is set aside, else None."""
         rounds, i = self._rounds, self._index.get(id(p))
+        rounds.before_write()  # the outer step writes `p` next
         if i is None or not rounds.in_outer or rounds._inner is None:
             return None
         return rounds._inner[i]

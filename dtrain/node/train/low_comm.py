@@ -3,7 +3,8 @@
     inner loop:  hand-overs and batches of the node's own data -> pending gradient -> one inner AdamW update
     outer round: once the round is due (--inner-steps inner updates and --min-round-seconds): one hivemind
                  Optimizer.step that averages the pseudo-gradients (anchor - parameters) and applies the outer
-                 Nesterov step; its result is the next served step (node.train.publication)
+                 Nesterov step; its result is the next served step (node.train.publication). With peers, the
+                 next local batches train meanwhile (node.train.ahead) and make the next round's first inner update
 
 node.lowcomm.rounds.InnerRounds keeps the anchor, the pseudo-gradient set aside and the error feedback. A served
 step is an outer round, for a node alone too: its inner updates are its own, not published, hashed or recorded.
@@ -51,6 +52,7 @@ class LowCommLoop:
         node.follower.catch_up()
         if node.gradient.samples > 0:
             self._outer_round()
+        worked |= self._train_ahead()
         node.housekeeping()
         return worked
 
@@ -97,7 +99,13 @@ class LowCommLoop:
         epoch_before, round_before = opt.local_epoch, opt.last_round
         if new_samples:
             node.presence.reported_samples()
-        opt.step(batch_size=new_samples)
+        if node.ahead is not None and not alone and node.trains_on_own_data():
+            node.ahead.start()  # the next batches, while the round waits (stopped before it writes the parameters)
+        try:
+            opt.step(batch_size=new_samples)
+        finally:
+            if node.ahead is not None:
+                node.ahead.stop()
         if opt.state_averager.torn:  # hivemind's download inside step() failed part-way: loaded again
             node.unverified = True
         if opt.local_epoch == epoch_before:
@@ -117,6 +125,23 @@ class LowCommLoop:
             self._publish(outcome, started, inner_updates)
         else:  # hivemind downloaded the swarm's state inside step()
             node.follower.after_catch_up(node.agreement.check_download())
+
+    def _train_ahead(self) -> bool:
+        """Once the round is over, the batches trained while it ran (node.train.ahead) make the next inner update;
+        returns whether there were any."""
+        node = self.node
+        if node.ahead is None or node.rounds.in_outer:
+            return False
+        if node.ahead.error is not None:
+            error, node.ahead.error = node.ahead.error, None
+            raise error
+        batch = node.ahead.take()
+        if batch is None:
+            return False
+        node.add_local(batch)
+        del batch
+        self._inner_update()
+        return True
 
     def _publish(self, outcome, started: float, inner_updates: int) -> None:
         """The outer update's step served: the peers agree on its digest, the round's buffers go, its snapshot

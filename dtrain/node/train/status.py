@@ -43,4 +43,5 @@ class NodeStatus:
     # --checkpoint-dir held the swarm's bytes), "own state" (a joiner at epoch 0 that built the swarm's start
     # itself: no download), "download" (from peers)
     first_state: str = ""
+    round_samples: int = 0  # low-comm: samples of the node's own data trained while outer rounds ran (node.train.ahead)
     torch_threads: Optional[dict] = None  # node.device.threads_now(): torch's CPU threads per operation (--torch-threads)

@@ -41,6 +41,7 @@ from dtrain.node.lowcomm.roundlog import CatchUp
 from dtrain.node.lowcomm.statefetch import RangeDonor
 from dtrain.node.train.compute import Compute
 from dtrain.node.train.adamw import make_local_optimizer, regroup_state_dict
+from dtrain.node.train.ahead import Ahead, Batch
 from dtrain.node.train.gradient import PendingGradient
 from dtrain.node.train.intake import Intake
 from dtrain.node.train.low_comm import LowCommLoop
@@ -126,6 +127,7 @@ class TrainingNode:
                              lambda: self.step, self.reference, optimizer=self._inner_optimizer)
         self.loop = LowCommLoop(self) if self.low_comm else PerStepLoop(self)  # the training thread's iterations
         self.rounds: Optional[InnerRounds] = None  # low-comm: this node's inner updates since the last outer round
+        self.ahead: Optional[Ahead] = None  # low-comm with --train-data: local batches trained during a round
         self.catchup: Optional[CatchUp] = None  # sparse codec: the round log, and catching up by replaying it
         self.donor: Optional[RangeDonor] = None  # sparse codec, --state-donors: serves ranges of the served state
         self.swarm: Optional[Swarm] = None
@@ -254,6 +256,7 @@ class TrainingNode:
             scored_out=self.ledger.summary().scored_out,
             device=self.device.as_dict(),
             first_state=self._first_state,
+            round_samples=self.ahead.samples_total if self.ahead is not None else 0,
             torch_threads=threads_now(),
         )
 
@@ -339,8 +342,11 @@ class TrainingNode:
                 self.gradient.move_to(self.compute.grads_device)
                 logger.info(f"The inner loop trains on {self.device.describe()}; the parameters on the CPU take its "
                             f"values once per outer round")
+            if self.dataset is not None:  # the next local batches, trained while a round is on the wire
+                self.ahead = Ahead(self.batch_gradient, max(cfg.local_samples_per_update, cfg.local_batch_size))
             self.rounds = InnerRounds(list(self.model.parameters()), inner, cfg.swarm.inner_steps, fraction,
-                                      published=self._served_f32, min_round_s=self._min_round_s(), trained=trained)
+                                      published=self._served_f32, min_round_s=self._min_round_s(), trained=trained,
+                                      before_write=self.ahead.stop if self.ahead is not None else lambda: None)
             if fraction is not None and cfg.swarm.state_donors > 0 and not swarm.client_mode:
                 # nobody can dial a client-mode peer
                 outer = opt.state_averager.optimizer
@@ -443,15 +449,21 @@ class TrainingNode:
 
     def local_batch(self) -> None:
         """One batch of the node's own data: its gradient summed over the batch into the pending gradient."""
+        self.add_local(self.batch_gradient())
+
+    def batch_gradient(self) -> Batch:
+        """The next batch of the node's own data and its gradient, summed over the batch (the caller's own tensors)."""
         cfg = self.config
         seq_len = min(cfg.local_seq_len, self.model_config.max_seq_len)
         tokens = self.dataset.batch(cfg.local_batch_size, seq_len, self._rng)
         # autograd.grad, not backward(): the .grad buffers belong to hivemind (reuse_grad_buffers)
         batch = tokens.shape[0]
         loss, sums = self.compute.loss_and_grads(tokens, scale=batch)  # sum over the batch of each sample's gradient
+        return Batch(sums, batch, loss)
+
+    def add_local(self, batch: Batch) -> None:
         # the loss as a tensor: on a GPU, reading it now would make the host wait for the pass
-        self.gradient.add(sums, batch, 0.0, local=True, adopt=self.compute.owns_grads, loss=loss)
-        del sums
+        self.gradient.add(batch.sums, batch.samples, 0.0, local=True, adopt=self.compute.owns_grads, loss=batch.loss)
 
     def _inner_optimizer(self) -> Optional[torch.optim.Optimizer]:
         """The AdamW of the node's own updates: low-comm's inner one, or the one hivemind wraps per step."""
