@@ -133,6 +133,11 @@ class SwarmConfig:
     min_round_s: Optional[float] = option(None, "--min-round-seconds", "low-comm: a node's outer round is due "
                                           "once it made --inner-steps inner updates and this many seconds passed "
                                           "since the round's first one (default: 0 on a CPU, 15 on a GPU)")
+    # an outer round waits for the other nodes, the group and the payloads over the link (node.train.ahead)
+    train_in_rounds: bool = option(True, "--no-train-in-rounds", "low-comm: train no local batch while an outer "
+                                   "round runs", without="a node with peers trains its next local batches (one "
+                                   "inner update's allowance) while its round runs, and they make the next round's "
+                                   "first inner update", action="store_false", dest="train_in_rounds")
     outer_lr: float = option(0.7, "--outer-lr", "low-comm: outer Nesterov SGD learning rate")
     outer_momentum: float = option(0.9, "--outer-momentum", "low-comm: outer Nesterov SGD momentum")
     wire_codec: str = option("sparse", "--wire-codec", "low-comm: the pseudo-gradient on the wire: fp16 or fp32 "

@@ -342,7 +342,7 @@ class TrainingNode:
                 self.gradient.move_to(self.compute.grads_device)
                 logger.info(f"The inner loop trains on {self.device.describe()}; the parameters on the CPU take its "
                             f"values once per outer round")
-            if self.dataset is not None:  # the next local batches, trained while a round is on the wire
+            if self.dataset is not None and cfg.swarm.train_in_rounds:  # trained while a round is on the wire
                 self.ahead = Ahead(self.batch_gradient, max(cfg.local_samples_per_update, cfg.local_batch_size))
             self.rounds = InnerRounds(list(self.model.parameters()), inner, cfg.swarm.inner_steps, fraction,
                                       published=self._served_f32, min_round_s=self._min_round_s(), trained=trained,
