@@ -13,8 +13,9 @@ from dtrain.node.config import ModelConfig
 from dtrain.node.lowcomm.outer import OuterNesterov
 from dtrain.node.lowcomm.rounds import InnerRounds
 from dtrain.node.model import build_model
-from dtrain.node.train.ahead import Ahead, Batch
-from dtrain.node.train.compute import Compute
+from dtrain.node.data import TokenDataset
+from dtrain.node.train.ahead import Ahead
+from dtrain.node.train.compute import Batch, Compute, OwnBatches
 from tests.nodeproc import TINY_CONFIG, wait_until
 
 pytestmark = pytest.mark.unit
@@ -28,25 +29,16 @@ def model():
     return build_model(ModelConfig.load(TINY_CONFIG))
 
 
-def batches(seed: int = 0):
-    """The same token batches, one after the other, for every caller with the same seed."""
+def passes(model, seed: int = 0):
+    """The node's own batches (a real pass of the model per call): the same ones for every caller with the same
+    seed."""
     rng = np.random.default_rng(seed)
-    while True:
-        yield rng.integers(0, 50257, size=(BATCH, SEQ)).astype(np.uint32)
-
-
-def passes(compute: Compute, seed: int = 0):
-    """A real pass of the model per call, on the next batch: the trainer's batch_gradient without its dataset."""
-    tokens = batches(seed)
-
-    def one() -> Batch:
-        loss, sums = compute.loss_and_grads(next(tokens), scale=BATCH)
-        return Batch(sums, BATCH, loss)
-    return one
+    data = TokenDataset(rng.integers(0, 50257, size=20_000, dtype=np.uint32))
+    return OwnBatches(Compute(model), data, BATCH, SEQ, np.random.default_rng(seed)).next
 
 
 def test_the_passes_of_a_round_sum_what_the_same_batches_sum_one_after_the_other(model):
-    ahead = Ahead(passes(Compute(model)), allowance=3 * BATCH)
+    ahead = Ahead(passes(model), allowance=3 * BATCH)
     assert ahead.start()
     wait_until(lambda: ahead.held_samples >= 3 * BATCH, 60, "three passes")
     assert not ahead.start()  # already running
@@ -55,7 +47,7 @@ def test_the_passes_of_a_round_sum_what_the_same_batches_sum_one_after_the_other
     batch = ahead.take()
     assert (batch.samples, ahead.samples_total, ahead.held_samples) == (3 * BATCH, 3 * BATCH, 0)
 
-    serial = passes(Compute(model))
+    serial = passes(model)
     first = serial()
     expected, losses = list(first.sums), [float(first.loss.detach())]
     for _ in range(2):
@@ -70,7 +62,7 @@ def test_the_passes_of_a_round_sum_what_the_same_batches_sum_one_after_the_other
 
 def test_no_pass_starts_once_stopped_and_nothing_is_taken_while_they_run(model):
     release, started = threading.Event(), threading.Event()
-    one = passes(Compute(model))
+    one = passes(model)
 
     def held() -> Batch:
         started.set()
@@ -105,7 +97,7 @@ def test_the_round_writes_the_parameters_only_after_the_pass_in_flight(model, wr
     params = list(model.parameters())
     ahead_events: list[str] = []
     release, started = threading.Event(), threading.Event()
-    one = passes(Compute(model))
+    one = passes(model)
 
     def held() -> Batch:
         started.set()

@@ -16,38 +16,31 @@ outlives the `step` call it was started for. The batches are the node's own data
 from __future__ import annotations
 
 import threading
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 from hivemind.utils.logging import get_logger
 
+from dtrain.node.train.compute import Batch
+
 logger = get_logger(__name__)
-
-
-class Batch(NamedTuple):
-    sums: Sequence[torch.Tensor]  # per parameter: the sum over its samples of each sample's gradient, fp32
-    samples: int
-    loss: torch.Tensor  # the mean loss over the samples (a 0-dim tensor, where the passes ran)
 
 
 class Ahead:
     def __init__(self, pass_of: Callable[[], Batch], allowance: int):
-        """`pass_of`: one local batch's pass (node.train.trainer.TrainingNode.batch_gradient), whose sums are its own
-        tensors. `allowance`: the samples of one inner update; a pass starts while fewer are held."""
+        """`pass_of`: one local batch's pass (node.train.compute.OwnBatches.next), whose sums are its own tensors.
+        `allowance`: the samples of one inner update; a pass starts while fewer are held."""
         if allowance < 1:
             raise ValueError(f"allowance must be >= 1 sample, got {allowance!r}")
         self._pass_of, self.allowance = pass_of, allowance
-        self._held: Optional[Batch] = None
+        self._sums: Optional[list[torch.Tensor]] = None  # what the passes made: their summed gradient
+        self.held_samples = 0
         self._loss_sum: Optional[torch.Tensor] = None  # sum(samples * loss) of what is held
         self._thread: Optional[threading.Thread] = None
         self._stopping = threading.Event()
         self._lock = threading.Lock()  # guards `_thread` against two stops at once
         self.error: Optional[BaseException] = None
         self.samples_total = 0  # samples trained while rounds ran, since start
-
-    @property
-    def held_samples(self) -> int:
-        return self._held.samples if self._held is not None else 0
 
     @property
     def running(self) -> bool:
@@ -70,8 +63,7 @@ class Ahead:
             if thread is None:
                 return
             self._stopping.set()
-            if thread is not threading.current_thread():
-                thread.join()
+            thread.join()
             self._thread = None
 
     def take(self) -> Optional[Batch]:
@@ -79,11 +71,11 @@ class Ahead:
         stopped."""
         if self._thread is not None:
             raise RuntimeError("take() while the passes run")
-        held, self._held = self._held, None
-        if held is None:
+        if self._sums is None:
             return None
-        loss, self._loss_sum = self._loss_sum / held.samples, None
-        return Batch(held.sums, held.samples, loss)
+        batch = Batch(self._sums, self.held_samples, self._loss_sum / self.held_samples)
+        self._sums, self.held_samples, self._loss_sum = None, 0, None
+        return batch
 
     def _run(self) -> None:
         try:
@@ -94,13 +86,12 @@ class Ahead:
             logger.warning(f"A local batch during the round failed: {e!r}")
 
     def _add(self, batch: Batch) -> None:
-        loss = batch.loss.detach()
-        weighted = loss * batch.samples
-        if self._held is None:
-            self._held, self._loss_sum = Batch(batch.sums, batch.samples, loss), weighted
+        weighted = batch.loss.detach() * batch.samples
+        if self._sums is None:
+            self._sums, self._loss_sum = list(batch.sums), weighted
         else:
             with torch.no_grad():
-                torch._foreach_add_(list(self._held.sums), list(batch.sums))
-            self._held = Batch(self._held.sums, self._held.samples + batch.samples, self._held.loss)
+                torch._foreach_add_(self._sums, list(batch.sums))
             self._loss_sum = self._loss_sum + weighted
+        self.held_samples += batch.samples
         self.samples_total += batch.samples

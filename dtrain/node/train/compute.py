@@ -8,17 +8,28 @@ passes run depends on who owns the parameters being trained:
   under bf16 autocast where the device has it, and the gradients stay on the device: nothing crosses per batch;
 - otherwise on a GPU (per-step mode, whose every update is the swarm's, on the master): before each pass the replica
   takes the master's parameters, and the gradients come back as fp32 CPU tensors.
-Training thread only.
+Training thread only, or the thread that trains while the training thread waits for a round (node.train.ahead).
 """
 from __future__ import annotations
 
 import copy
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
 
 from dtrain.node.device import CPU, Device
+
+if TYPE_CHECKING:
+    from dtrain.node.data import TokenDataset
+
+
+class Batch(NamedTuple):
+    """One or more local batches' gradient: what the pending gradient takes (node.train.gradient)."""
+
+    sums: Sequence[torch.Tensor]  # per parameter: the sum over its samples of each sample's gradient, fp32
+    samples: int
+    loss: torch.Tensor  # the mean loss over the samples (a 0-dim tensor, where the passes ran)
 
 
 class Compute:
@@ -99,6 +110,23 @@ class Compute:
         with torch.no_grad():
             for replica, master in zip(self._replica_params, self._params):
                 replica.copy_(master)
+
+
+class OwnBatches:
+    """The node's own data (--train-data), batch by batch: the next [batch_size, seq_len] windows, drawn with the
+    node's generator, and their gradient summed over the batch."""
+
+    def __init__(self, compute: Compute, dataset: "TokenDataset", batch_size: int, seq_len: int,
+                 rng: np.random.Generator):
+        self._compute, self._dataset, self._rng = compute, dataset, rng
+        self._shape = (batch_size, seq_len)
+
+    def next(self) -> Batch:
+        tokens = self._dataset.batch(*self._shape, self._rng)
+        batch = tokens.shape[0]
+        # autograd.grad, not backward(): the .grad buffers belong to hivemind (reuse_grad_buffers)
+        loss, sums = self._compute.loss_and_grads(tokens, scale=batch)  # sum over the batch of each sample's gradient
+        return Batch(sums, batch, loss)
 
 
 def _scaled(grads: Sequence[Optional[torch.Tensor]], scale: int) -> Sequence[Optional[torch.Tensor]]:

@@ -39,9 +39,9 @@ from dtrain.node.lowcomm.ranges import StateLayout
 from dtrain.node.lowcomm.rounds import InnerRounds
 from dtrain.node.lowcomm.roundlog import CatchUp
 from dtrain.node.lowcomm.statefetch import RangeDonor
-from dtrain.node.train.compute import Compute
+from dtrain.node.train.compute import Batch, Compute, OwnBatches
 from dtrain.node.train.adamw import make_local_optimizer, regroup_state_dict
-from dtrain.node.train.ahead import Ahead, Batch
+from dtrain.node.train.ahead import Ahead
 from dtrain.node.train.gradient import PendingGradient
 from dtrain.node.train.intake import Intake
 from dtrain.node.train.low_comm import LowCommLoop
@@ -147,7 +147,7 @@ class TrainingNode:
         self._next_trim = time.monotonic() + TRIM_EVERY_S
         self._wake = threading.Event()  # set by the pool when a hand-over is ready
         self.pool.on_ready(self._wake.set)
-        self._rng = np.random.default_rng()
+        self.batches: Optional[OwnBatches] = None  # --train-data: the node's own batches, from its join on
         self._peers_arrived = config.wait_for_peers <= 1  # --wait-for-peers: local training may start
         self._next_wait_log = 0.0
         self._thread = threading.Thread(target=self._run, name="dtrain-training", daemon=True)
@@ -313,7 +313,11 @@ class TrainingNode:
         self.contact = Contact(swarm.dht, swarm.peer_id, lambda: self.presence.nodes).start()
         self.agreement = Agreement(swarm.dht, opt, self.model, self.swarm_config, self._stop, seed_digest,
                                    swarm.owner, present=lambda: self.presence.alive(swarm.service))
-        self._rng = np.random.default_rng(int.from_bytes(swarm.peer_id.encode()[-8:], "little"))
+        if self.dataset is not None:  # each node draws its own batches: a generator seeded by its peer id
+            seed = int.from_bytes(swarm.peer_id.encode()[-8:], "little")
+            seq_len = min(cfg.local_seq_len, self.model_config.max_seq_len)
+            self.batches = OwnBatches(self.compute, self.dataset, cfg.local_batch_size, seq_len,
+                                      np.random.default_rng(seed))
         if self.low_comm and cfg.swarm.wire_codec == "sparse":
             # every node computes the same outer step: a node behind may replay rounds (a joiner's download too)
             self.catchup = CatchUp(swarm, self.agreement, self.model, cfg.swarm.topk_fraction, cfg.swarm.link_mbit)
@@ -343,7 +347,7 @@ class TrainingNode:
                 logger.info(f"The inner loop trains on {self.device.describe()}; the parameters on the CPU take its "
                             f"values once per outer round")
             if self.dataset is not None and cfg.swarm.train_in_rounds:  # trained while a round is on the wire
-                self.ahead = Ahead(self.batch_gradient, max(cfg.local_samples_per_update, cfg.local_batch_size))
+                self.ahead = Ahead(self.batches.next, max(cfg.local_samples_per_update, cfg.local_batch_size))
             self.rounds = InnerRounds(list(self.model.parameters()), inner, cfg.swarm.inner_steps, fraction,
                                       published=self._served_f32, min_round_s=self._min_round_s(), trained=trained,
                                       before_write=self.ahead.stop if self.ahead is not None else lambda: None)
@@ -449,17 +453,7 @@ class TrainingNode:
 
     def local_batch(self) -> None:
         """One batch of the node's own data: its gradient summed over the batch into the pending gradient."""
-        self.add_local(self.batch_gradient())
-
-    def batch_gradient(self) -> Batch:
-        """The next batch of the node's own data and its gradient, summed over the batch (the caller's own tensors)."""
-        cfg = self.config
-        seq_len = min(cfg.local_seq_len, self.model_config.max_seq_len)
-        tokens = self.dataset.batch(cfg.local_batch_size, seq_len, self._rng)
-        # autograd.grad, not backward(): the .grad buffers belong to hivemind (reuse_grad_buffers)
-        batch = tokens.shape[0]
-        loss, sums = self.compute.loss_and_grads(tokens, scale=batch)  # sum over the batch of each sample's gradient
-        return Batch(sums, batch, loss)
+        self.add_local(self.batches.next())
 
     def add_local(self, batch: Batch) -> None:
         # the loss as a tensor: on a GPU, reading it now would make the host wait for the pass
