@@ -264,6 +264,8 @@ def main() -> None:
                         help="joins one after another as the swarm trains, one node killed and started again")
     parser.add_argument("--kill-after", type=float, default=10.0, help="--churn: seconds after C's first round")
     parser.add_argument("--rejoin-after", type=float, default=60.0, help="--churn: seconds C stays away")
+    parser.add_argument("--node-flags", default="", help="--churn: more dtrain-node flags for every node, in one "
+                        "string (e.g. \"--inner-copy\")")
     parser.add_argument("--late-joiner", action="store_true",
                         help="the last node joins once the others have made their first update")
     parser.add_argument("--keep-logs", action="store_true")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import shlex
 import tempfile
 import time
 from functools import partial
@@ -67,7 +68,7 @@ def churn(rate, args, paths: list[Path]) -> dict:
     is ready, C once B is; once C has averaged a round, C is killed and started again --rejoin-after s later with the
     same --identity-path. The window runs from A's first update to --seconds after it."""
     run_id, nodes, joins = new_run_id(), [], []
-    flags = ["--model-config", str(args.model_config), *CHURN_FLAGS]
+    flags = ["--model-config", str(args.model_config), *CHURN_FLAGS, *shlex.split(args.node_flags)]
     with Net() as net, tempfile.TemporaryDirectory() as folder:
         hosts = [net.host(f"n{i}", rate_mbit=rate) for i in range(3)]
         identity = [str(Path(folder) / f"node{i}.identity") for i in range(3)]
@@ -154,7 +155,8 @@ def churn(rate, args, paths: list[Path]) -> dict:
 
 
 def print_churn(results: list[dict], args) -> None:
-    print(f"\nchurn: 3 nodes, {args.model_config.name}, default flags and {' '.join(CHURN_FLAGS[:8])}; A founds, B "
+    extra = f" {args.node_flags}" if args.node_flags else ""
+    print(f"\nchurn: 3 nodes, {args.model_config.name}, default flags and {' '.join(CHURN_FLAGS[:8])}{extra}; A founds, B "
           f"joins once A is ready, C once B is; C is killed {args.kill_after:g}s after its first round and started "
           f"again {args.rejoin_after:g}s later with the same identity; tbf both ways on every link\n")
     base = next((r["samples_per_s"] for r in results if r["rate"] == "unlimited"), None)

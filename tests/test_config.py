@@ -106,8 +106,9 @@ def test_serving_flags_reach_their_fields_and_are_checked():
     (["--feedback-lora", "x"], "--capture-db"),
     (["--feedback-lora", "x", "--capture-db", "c.sqlite", "--feedback-lora-rank", "0"], "feedback_lora_rank"),
     (["--feedback-lora", "x", "--capture-db", "c.sqlite", "--feedback-lora-lr", "0"], "feedback_lora_lr"),
+    (["--sync", "per-step", "--inner-copy"], "no inner loop"),
 ])
-def test_bad_adapter_options_are_config_errors(argv, message):
+def test_bad_option_combinations_are_config_errors(argv, message):
     with pytest.raises(ConfigError, match=message):
         parse_config(argv)
 

@@ -24,9 +24,13 @@ def args(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("codec,in_rounds", [("fp16", False), ("sparse", True)])
+@pytest.mark.parametrize("codec,in_rounds", [("fp16", "off"), ("sparse", "batches"), ("sparse", "copy")])
 def test_two_nodes_average_outer_rounds_and_serve_equal_bytes(args, codec, in_rounds):
-    flags = [*args, "--wire-codec", codec, "--topk-fraction", "0.05", *(() if in_rounds else ("--no-train-in-rounds",))]
+    """`in_rounds`: what a node trains while its round runs: nothing (--no-train-in-rounds), one inner update's
+    batches (the default on the CPU), or inner updates of a copy of the model of its own (--inner-copy: what a GPU
+    node does, here on the CPU through the same code)."""
+    flags = [*args, "--wire-codec", codec, "--topk-fraction", "0.05",
+             *{"off": ("--no-train-in-rounds",), "batches": (), "copy": ("--inner-copy",)}[in_rounds]]
     nodes = start_swarm(2, flags, new_run_id())
     with shown_on_failure(nodes):
         start = max(n.status()["step"] for n in nodes)
@@ -38,10 +42,13 @@ def test_two_nodes_average_outer_rounds_and_serve_equal_bytes(args, codec, in_ro
             assert averaged, f"node {node.name} averaged no outer round with its peer"
             s = node.status()
             assert (s["sync"], s["wire_codec"], s["closed"]) == ("low-comm", codec, False)
-            # between rounds a node trains at most INNER local batches it has not applied yet, the first of them
-            # (or one more, after a round that failed) trained while the last round ran; nothing is dropped
-            assert s["applied_samples"] > 0 and s["pending_samples"] <= (INNER + in_rounds) * 2
-            assert (s["round_samples"] > 0) == in_rounds, s["round_samples"]
+            # between rounds a node trains at most INNER local batches it has not applied yet, some of them (or one
+            # more, after a round that failed) trained while the last round ran; nothing is dropped
+            trains_in_rounds = in_rounds != "off"
+            assert s["applied_samples"] > 0 and s["pending_samples"] <= (INNER + trains_in_rounds) * 2
+            assert (s["round_samples"] > 0) == trains_in_rounds, s["round_samples"]
+            copy = "The inner loop trains on cpu" in node.output()
+            assert copy == (in_rounds == "copy")
             if codec == "sparse":  # the same payloads, the same average, the same outer step: nothing to download
                 differ = [line for line in node.output().splitlines() if "parameters differ" in line]
                 assert not differ, differ

@@ -135,9 +135,17 @@ class SwarmConfig:
                                           "since the round's first one (default: 0 on a CPU, 15 on a GPU)")
     # an outer round waits for the other nodes, the group and the payloads over the link (node.train.ahead)
     train_in_rounds: bool = option(True, "--no-train-in-rounds", "low-comm: train no local batch while an outer "
-                                   "round runs", without="a node with peers trains its next local batches (one "
-                                   "inner update's allowance) while its round runs, and they make the next round's "
-                                   "first inner update", action="store_false", dest="train_in_rounds")
+                                   "round runs", without="a node with peers trains its next local batches while its "
+                                   "round runs: one inner update's allowance, which makes the next round's first "
+                                   "inner update, or, where the inner loop trains a copy of its own (a GPU, "
+                                   "--inner-copy), up to --inner-steps inner updates of the copy",
+                                   action="store_false", dest="train_in_rounds")
+    # on a GPU the inner loop always trains a copy of its own, on the device (node.train.compute.Compute.resident)
+    inner_copy: bool = option(False, "--inner-copy", "low-comm on the CPU: the inner loop trains a copy of the model "
+                              "of its own, as on a GPU, so that its inner updates go on while an outer round runs "
+                              "(up to --inner-steps of them; P more memory, P the fp32 parameters)",
+                              without="on the CPU the inner loop trains the parameters the swarm shares, and a round "
+                              "trains one inner update's batches", action="store_true", dest="inner_copy")
     outer_lr: float = option(0.7, "--outer-lr", "low-comm: outer Nesterov SGD learning rate")
     outer_momentum: float = option(0.9, "--outer-momentum", "low-comm: outer Nesterov SGD momentum")
     wire_codec: str = option("sparse", "--wire-codec", "low-comm: the pseudo-gradient on the wire: fp16 or fp32 "
@@ -166,6 +174,9 @@ class SwarmConfig:
             raise ConfigError(f"sync must be per-step or low-comm, got {self.sync!r}")
         if not isinstance(self.inner_steps, int) or self.inner_steps < 1:
             raise ConfigError(f"inner_steps must be an integer >= 1, got {self.inner_steps!r}")
+        if self.inner_copy and self.sync != "low-comm":
+            raise ConfigError("inner_copy (--inner-copy) is an option of --sync low-comm: per-step mode has no inner "
+                              "loop")
         if self.min_round_s is not None and not 0 <= self.min_round_s <= 3600:
             raise ConfigError(f"min_round_s must be in [0, 3600] seconds, got {self.min_round_s!r}")
         if not self.outer_lr > 0 or not 0.0 <= self.outer_momentum < 1.0:

@@ -50,8 +50,10 @@ class InnerRounds:
         update (a fast device makes more inner updates, not more served steps). `trained`: the device's own copy of
         `params` (node.train.compute.Compute.resident), which `inner` steps instead: the parameters (hivemind's, on
         the CPU) take its values when a round begins and give it theirs when the round ends, and nothing else crosses
-        between them. `before_write`: called before the round writes the parameters (the outer step, a download
-        that replaces them): whatever reads them meanwhile (node.train.ahead) is done when it returns."""
+        between them; while the round runs, `step_in_round` goes on training it. `before_write`: called before the
+        round writes what the inner loop's passes read (the parameters: the outer step, a download that replaces
+        them; resident, the device's copy: the round's end): whatever reads them meanwhile (node.train.ahead) is done
+        when it returns."""
         if inner_steps < 1:
             raise ValueError(f"inner steps must be >= 1, got {inner_steps!r}")
         if not min_round_s >= 0:
@@ -66,6 +68,9 @@ class InnerRounds:
         self.trained = list(trained) if trained is not None else self.params
         self._resident = trained is not None
         self._params_behind = False  # resident: inner updates moved `trained` since the parameters last took it
+        # resident, inner updates made while the round runs: `trained` as the round found it, and how many
+        self._round_base: Optional[list[torch.Tensor]] = None
+        self._steps_in_round = 0
         self.inner = inner
         self.inner_steps = inner_steps
         self._published = published
@@ -123,6 +128,25 @@ class InnerRounds:
         if self.in_outer:
             raise RuntimeError("inner_step() inside an outer round")
         self.share_anchor()
+        self._step_trained(grads)
+        self._params_behind = self._resident
+        if self.steps == 0:
+            self._first_step_at = self._clock()
+        self.steps += 1
+
+    def step_in_round(self, grads: Sequence[torch.Tensor]) -> None:
+        """Resident, while the outer round runs (from the thread that trains meanwhile, node.train.ahead): one inner
+        update of the device's copy, which the round does not read. It belongs to the next round: the round's end
+        puts the outer step's result under the updates made meanwhile (`_trained_take_params`), and counts them."""
+        if not self._resident or not self.in_outer:
+            raise RuntimeError("step_in_round() needs a resident inner loop inside an outer round")
+        if self._round_base is None:
+            with torch.no_grad():
+                self._round_base = [t.detach().clone() for t in self.trained]  # P on the device, until the round ends
+        self._step_trained(grads)
+        self._steps_in_round += 1
+
+    def _step_trained(self, grads: Sequence[torch.Tensor]) -> None:
         buffers = [p.grad for p in self.trained]
         try:
             for p, g in zip(self.trained, grads):
@@ -132,10 +156,6 @@ class InnerRounds:
         finally:
             for p, buffer in zip(self.trained, buffers):
                 p.grad = buffer
-        self._params_behind = self._resident
-        if self.steps == 0:
-            self._first_step_at = self._clock()
-        self.steps += 1
 
     def _release_grad(self, i: int) -> None:
         if self.params[i].grad is not None:
@@ -194,11 +214,30 @@ class InnerRounds:
             _copy_all(self.params, self.trained)
             self._params_behind = False
 
-    def _trained_take_params(self) -> None:
-        """Resident: the device's copy takes the parameters' values, where the next inner updates start."""
-        if self._resident:
+    def _trained_take_params(self, replaced: bool = True) -> None:
+        """Resident: the device's copy takes the parameters' values, where the next inner updates start. Inner
+        updates made while the round ran (`step_in_round`) stay on top of them: the copy becomes the parameters plus
+        what those updates moved it (nothing to add when nothing `replaced` the parameters: the copy is that
+        already), and they count as the next round's."""
+        if not self._resident:
+            return
+        base, self._round_base = self._round_base, None
+        if base is None:
             _copy_all(self.trained, self.params)
             self._params_behind = False
+            return
+        if replaced:
+            with torch.no_grad():
+                for t, b, p in zip(self.trained, base, self.params):
+                    t.sub_(b)
+                    b.copy_(p)
+                    t.add_(b)
+        del base
+        if self.steps == 0:
+            self._first_step_at = self._clock()
+        self.steps += self._steps_in_round
+        self._steps_in_round = 0
+        self._params_behind = True
 
     def enter_outer(self) -> None:
         """Before anything replaces the parameters (a download of the swarm's state, a replay of missed rounds): the
@@ -206,7 +245,7 @@ class InnerRounds:
         are aside, or once the outer step moved them (their pseudo-gradient is in .grad then)."""
         if self._inner is not None or self._moved:
             return
-        self.before_write()
+        self._before_params_written()
         self._params_take_trained()
         with torch.no_grad():
             self._inner = [p.detach().clone() for p in self.params]
@@ -235,13 +274,20 @@ class InnerRounds:
             with torch.no_grad():
                 for p, q in zip(self.params, self._inner):
                     p.copy_(q)
-        self._end_round()
+        self._end_round(replaced=False)
 
-    def _end_round(self) -> None:
+    def _end_round(self, replaced: bool = True) -> None:
+        if self._resident:
+            self.before_write()  # the passes on the device's copy end inside the round, before it writes the copy
         self.in_outer, self._offer, self._inner = False, None, None
         self._moved, self._applied = set(), False
         self.release_grads()
-        self._trained_take_params()
+        self._trained_take_params(replaced)
+
+    def _before_params_written(self) -> None:
+        """The passes read the parameters, unless the inner loop is resident: they read the device's copy then."""
+        if not self._resident:
+            self.before_write()
 
     def settle(self, served: Optional[Sequence[np.ndarray]] = None) -> None:
         """The parameters hold an outer update that applied this node's offer: the next anchor (views of `served`,
@@ -453,7 +499,7 @@ class RoundSource:
         """The round's start for `p` while `p` still holds the inner updates' value (the step goes from there);
         None when `p` holds the value to step itself (a download replaced it, or the round is over)."""
         rounds, i = self._rounds, self._index.get(id(p))
-        rounds.before_write()  # the outer step writes `p` next
+        rounds._before_params_written()  # the outer step writes `p` next
         if i is None or not rounds.in_outer or rounds._inner is not None or i in rounds._moved:
             return None
         return rounds.anchor[i]
@@ -461,7 +507,7 @@ class RoundSource:
     def inner(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         """The inner updates' value of `p` when it is set aside, else None."""
         rounds, i = self._rounds, self._index.get(id(p))
-        rounds.before_write()  # the outer step writes `p` next
+        rounds._before_params_written()  # the outer step writes `p` next
         if i is None or not rounds.in_outer or rounds._inner is None:
             return None
         return rounds._inner[i]

@@ -150,6 +150,13 @@ class PendingGradient:
         if local:
             self.local_samples += samples
 
+    def add_trained(self, samples: int, loss: torch.Tensor) -> None:
+        """Local samples an inner update applied already (a resident inner loop's, made while an outer round ran:
+        node.train.ahead), with their mean loss: pending until an outer update applies them, nothing to drain."""
+        self._count(samples, 0.0, 0, local=True, loss=loss)
+        self._drained_samples += samples
+        self._drained_local += samples
+
     def add_contributions(self, contributions: Iterable[Contribution]) -> None:
         """Add each contribution weighted by its samples (validated by the bridge; sparse ones stay sparse)."""
         self._untouched = False

@@ -4,7 +4,8 @@
     outer round: once the round is due (--inner-steps inner updates and --min-round-seconds): one hivemind
                  Optimizer.step that averages the pseudo-gradients (anchor - parameters) and applies the outer
                  Nesterov step; its result is the next served step (node.train.publication). With peers, the
-                 next local batches train meanwhile (node.train.ahead) and make the next round's first inner update
+                 next local batches train meanwhile (node.train.ahead): the next round's first inner update, or
+                 with a resident inner loop (on a GPU) inner updates of the device's copy as the round runs
 
 node.lowcomm.rounds.InnerRounds keeps the anchor, the pseudo-gradient set aside and the error feedback. A served
 step is an outer round, for a node alone too: its inner updates are its own, not published, hashed or recorded.
@@ -50,6 +51,9 @@ class LowCommLoop:
             self._inner_update()
             worked = True
         node.follower.catch_up()
+        # what was trained while the last round ran counts before the next round begins, whichever call ended it
+        # (a catch-up may have, just now): a resident loop's updates are in the parameters that round offers
+        worked |= self._train_ahead()
         if node.gradient.samples > 0:
             self._outer_round()
         worked |= self._train_ahead()
@@ -127,17 +131,21 @@ class LowCommLoop:
             node.follower.after_catch_up(node.agreement.check_download())
 
     def _train_ahead(self) -> bool:
-        """Once the round is over, the batches trained while it ran (node.train.ahead) make the next inner update;
-        returns whether there were any."""
+        """Once the round is over, what was trained while it ran (node.train.ahead) is the next round's: the inner
+        updates a resident loop made (their samples and loss; the round's end put them on the new parameters), and
+        batches no update applied yet, which make the next inner update. Returns whether there was any."""
         node = self.node
         if node.ahead is None or node.rounds.in_outer:
             return False
         if node.ahead.error is not None:
             error, node.ahead.error = node.ahead.error, None
             raise error
+        samples, loss = node.ahead.take_trained()
+        if samples:
+            node.gradient.add_trained(samples, loss)
         batch = node.ahead.take()
         if batch is None:
-            return False
+            return samples > 0
         node.add_local(batch)
         del batch
         self._inner_update()

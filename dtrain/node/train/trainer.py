@@ -91,7 +91,7 @@ class TrainingNode:
         from (--init-from) instead of the seeded ones; a joiner takes the swarm's state whatever it started with.
         `resident`: a low-comm node's inner loop trains its own copy of the model on the device (parameters,
         gradients, AdamW state), and the master takes its values once per outer round (node.lowcomm.rounds); None:
-        on a GPU. On the CPU it is the same code over a second copy in memory, which only tests ask for."""
+        on a GPU, or with --inner-copy. On the CPU it is the same code over a second copy in memory."""
         self.config, self.model_config, self.train_config = config, model_config, train_config
         self.dataset = dataset
         self.device = resolve_device(config.device)  # ConfigError before anything starts
@@ -117,7 +117,9 @@ class TrainingNode:
         self.ledger = ledger if ledger is not None else ContributorLedger(
             scoring=ScoringConfig(enabled=config.contributor_scoring))
         self.low_comm = config.swarm.sync == "low-comm"
-        self.resident = self.low_comm and (self.device.is_cuda if resident is None else resident)
+        if resident is None:
+            resident = self.device.is_cuda or config.swarm.inner_copy
+        self.resident = self.low_comm and resident
         # the all-reduce deadline: sized for the bytes of a round, kept from each round's measured throughput
         sizes = (lowcomm_codec.round_sizes(config.swarm, self.total_params) if self.low_comm
                  else per_step_sizes(self.total_params))
@@ -347,7 +349,10 @@ class TrainingNode:
                 logger.info(f"The inner loop trains on {self.device.describe()}; the parameters on the CPU take its "
                             f"values once per outer round")
             if self.dataset is not None and cfg.swarm.train_in_rounds:  # trained while a round is on the wire
-                self.ahead = Ahead(self.batches.next, max(cfg.local_samples_per_update, cfg.local_batch_size))
+                # resident: inner updates of the device's copy, up to a round's worth; else one update's batches
+                step = (lambda grads: self.rounds.step_in_round(grads)) if self.resident else None
+                self.ahead = Ahead(self.batches.next, max(cfg.local_samples_per_update, cfg.local_batch_size),
+                                   step=step, max_steps=cfg.swarm.inner_steps)
             self.rounds = InnerRounds(list(self.model.parameters()), inner, cfg.swarm.inner_steps, fraction,
                                       published=self._served_f32, min_round_s=self._min_round_s(), trained=trained,
                                       before_write=self.ahead.stop if self.ahead is not None else lambda: None)
