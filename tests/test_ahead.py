@@ -210,11 +210,13 @@ def test_a_resident_loop_goes_on_with_inner_updates_during_the_round_and_lands_t
 
 
 def test_a_round_that_replaced_nothing_leaves_a_resident_copy_exactly_where_its_updates_took_it(model):
-    rounds, ahead, _ = _resident(model, inner_steps=2, allowance=BATCH)
+    rounds, ahead, _ = _resident(model, inner_steps=1, allowance=BATCH)
     rounds.inner_step([torch.full_like(p, 0.01) for p in rounds.trained])
     rounds.begin()
-    ahead.start()
+    ahead.start(max_steps=2)  # as many as the round holds, here more than --inner-steps
     wait_until(lambda: ahead.steps == 2, 60, "two inner updates during the round")
+    time.sleep(0.3)
+    assert ahead.steps == 2  # and no more
     ahead.stop()
     moved = _bytes(rounds.trained)
     rounds.carry()  # the round failed and nothing replaced the parameters: no update at all

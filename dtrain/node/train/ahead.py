@@ -10,7 +10,8 @@ payloads over the link. The training thread sits in hivemind's `Optimizer.step` 
   `delay_optimizer_step` and overlapped DiLoCo accept), so no sample computed is dropped;
 - the inner loop is resident (node.train.compute, on a GPU): the round reads the parameters, not the device's copy,
   so the inner updates go on, each allowance applied to the copy as it fills (`step`: node.lowcomm.rounds,
-  `step_in_round`), up to `max_steps` of them, one round's worth (--inner-steps). The round's end puts the outer
+  `step_in_round`), up to `max_steps` of them: as many as the round itself holds, --inner-steps at least (on a GPU
+  a round is due by time, --min-round-seconds, and holds more). The round's end puts the outer
   step's result under them; they are the next round's first inner updates, and their samples and loss its own
   (`take_trained`). A batch's milliseconds fill a round's seconds of waiting so, where one allowance filled little.
 
@@ -67,8 +68,13 @@ class Ahead:
             return self.steps < self.max_steps
         return self.held_samples < self.allowance
 
-    def start(self) -> bool:
-        """Begin passes on a thread of their own, if the allowance has room; returns whether it did."""
+    def start(self, max_steps: Optional[int] = None) -> bool:
+        """Begin passes on a thread of their own, if the allowance has room; returns whether it did. `max_steps`:
+        the inner updates (`step`) this round may make, if not the last ones given."""
+        if max_steps is not None:
+            if max_steps < 1:
+                raise ValueError(f"max_steps must be >= 1, got {max_steps!r}")
+            self.max_steps = max_steps
         if self._thread is not None or not self._room():
             return False
         self._stopping.clear()

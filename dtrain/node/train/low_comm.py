@@ -104,7 +104,9 @@ class LowCommLoop:
         if new_samples:
             node.presence.reported_samples()
         if node.ahead is not None and not alone and node.trains_on_own_data():
-            node.ahead.start()  # the next batches, while the round waits (stopped before it writes the parameters)
+            # the next batches while the round waits (stopped before it writes what they read); a resident loop's
+            # inner updates, as many as this round holds
+            node.ahead.start(max_steps=max(rounds.inner_steps, inner_updates))
         try:
             opt.step(batch_size=new_samples)
         finally:
