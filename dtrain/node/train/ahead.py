@@ -9,11 +9,12 @@ payloads over the link. The training thread sits in hivemind's `Optimizer.step` 
   the parameters the round started from, applied one outer step later (the staleness hivemind's
   `delay_optimizer_step` and overlapped DiLoCo accept), so no sample computed is dropped;
 - the inner loop is resident (node.train.compute, on a GPU): the round reads the parameters, not the device's copy,
-  so the inner updates go on, each allowance applied to the copy as it fills (`step`: node.lowcomm.rounds,
-  `step_in_round`), up to `max_steps` of them: as many as the round itself holds, --inner-steps at least (on a GPU
-  a round is due by time, --min-round-seconds, and holds more). The round's end puts the outer
-  step's result under them; they are the next round's first inner updates, and their samples and loss its own
-  (`take_trained`). A batch's milliseconds fill a round's seconds of waiting so, where one allowance filled little.
+  so the inner updates go on, each of a local batch as between rounds, applied to the copy at once (`step`:
+  node.lowcomm.rounds, `step_in_round`), up to `max_steps` of them: as many as the round itself holds,
+  --inner-steps at least (a GPU's round is due by time, --min-round-seconds, and holds more). The round's end puts
+  the outer step's result under them; they are the next round's first inner updates, and their samples and loss
+  its own (`take_trained`). A batch's milliseconds fill a round's seconds of waiting so, where one allowance filled
+  little.
 
 The passes read what the inner loop trains, so nothing may write it while one runs: `stop` ends the work after the
 pass in flight and returns once it is done. The round calls it before it writes what the passes read

@@ -349,10 +349,12 @@ class TrainingNode:
                 logger.info(f"The inner loop trains on {self.device.describe()}; the parameters on the CPU take its "
                             f"values once per outer round")
             if self.dataset is not None and cfg.swarm.train_in_rounds:  # trained while a round is on the wire
-                # resident: inner updates of the device's copy, up to a round's worth; else one update's batches
-                step = (lambda grads: self.rounds.step_in_round(grads)) if self.resident else None
-                self.ahead = Ahead(self.batches.next, max(cfg.local_samples_per_update, cfg.local_batch_size),
-                                   step=step, max_steps=cfg.swarm.inner_steps)
+                if self.resident:  # inner updates of the copy, a local batch each as between rounds
+                    self.ahead = Ahead(self.batches.next, cfg.local_batch_size,
+                                       step=lambda grads: self.rounds.step_in_round(grads),
+                                       max_steps=cfg.swarm.inner_steps)
+                else:  # the batches of one update, summed
+                    self.ahead = Ahead(self.batches.next, max(cfg.local_samples_per_update, cfg.local_batch_size))
             self.rounds = InnerRounds(list(self.model.parameters()), inner, cfg.swarm.inner_steps, fraction,
                                       published=self._served_f32, min_round_s=self._min_round_s(), trained=trained,
                                       before_write=self.ahead.stop if self.ahead is not None else lambda: None)
