@@ -204,7 +204,12 @@ def test_a_resident_loop_goes_on_with_inner_updates_during_the_round_and_lands_t
     samples, loss = ahead.take_trained()
     assert samples == 6 * BATCH and float(loss) == pytest.approx(sum(losses) / 6, rel=1e-6)
     assert ahead.take_trained() == (0, None) and ahead.take() is None
-    # the next round begins from the copy: the parameters take the updates made meanwhile
+    # the next round is due after --inner-steps updates between rounds: those made during this one do not count
+    assert not rounds.due
+    for _ in range(3):
+        rounds.inner_step([torch.full_like(p, 0.001) for p in trained])
+    assert rounds.due and rounds.steps == 6
+    # it begins from the copy: the parameters take every update made since this round's
     rounds.begin()
     assert _bytes(params) == _bytes(trained)
 

@@ -84,6 +84,7 @@ class InnerRounds:
         self._applied = False  # the round's update applied the offer and its pseudo-gradient is gone (`applied`)
         self._source = RoundSource(self)
         self.steps = 0  # inner updates since the anchor (carried ones included)
+        self._during_rounds = 0  # of them, made while a round ran (`step_in_round`): `due` counts the others
         self.in_outer = False
         self.fraction = fraction
         # zeros that take no memory until a round leaves something unsent: a node alone never compresses (P less)
@@ -117,7 +118,10 @@ class InnerRounds:
 
     @property
     def due(self) -> bool:
-        if self.steps < self.inner_steps:
+        """Once --inner-steps inner updates were made between rounds (and `min_round_s` passed since the first):
+        those made during the last round do not count, so the next round never begins the moment the last one ends,
+        and a node behind has the time of the inner updates to catch up and join it."""
+        if self.steps - self._during_rounds < self.inner_steps:
             return False
         return self.min_round_s <= 0 or self._clock() - self._first_step_at >= self.min_round_s
 
@@ -130,14 +134,15 @@ class InnerRounds:
         self.share_anchor()
         self._step_trained(grads)
         self._params_behind = self._resident
-        if self.steps == 0:
+        if self.steps == self._during_rounds:  # the first between rounds
             self._first_step_at = self._clock()
         self.steps += 1
 
     def step_in_round(self, grads: Sequence[torch.Tensor]) -> None:
         """Resident, while the outer round runs (from the thread that trains meanwhile, node.train.ahead): one inner
         update of the device's copy, which the round does not read. It belongs to the next round: the round's end
-        puts the outer step's result under the updates made meanwhile (`_trained_take_params`), and counts them."""
+        puts the outer step's result under the updates made meanwhile (`_trained_take_params`) and counts them in
+        `steps`, not in what makes the next round `due`."""
         if not self._resident or not self.in_outer:
             raise RuntimeError("step_in_round() needs a resident inner loop inside an outer round")
         if self._round_base is None:
@@ -233,9 +238,8 @@ class InnerRounds:
                     b.copy_(p)
                     t.add_(b)
         del base
-        if self.steps == 0:
-            self._first_step_at = self._clock()
         self.steps += self._steps_in_round
+        self._during_rounds += self._steps_in_round
         self._steps_in_round = 0
         self._params_behind = True
 
@@ -296,7 +300,7 @@ class InnerRounds:
         yet)."""
         self.applied()
         self._new_anchor(served)
-        self.steps = 0
+        self.steps = self._during_rounds = 0
         self._end_round()
 
     def applied(self) -> None:
@@ -395,7 +399,7 @@ class InnerRounds:
                     if f.any() or self._feedback_written:  # zeros on zeros stay untouched
                         e.copy_(f)
                         self._feedback_written = True
-        self.steps, self._offer = steps, None
+        self.steps, self._during_rounds, self._offer = steps, 0, None
         self._trained_take_params()
 
 

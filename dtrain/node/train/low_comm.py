@@ -5,7 +5,7 @@
                  Optimizer.step that averages the pseudo-gradients (anchor - parameters) and applies the outer
                  Nesterov step; its result is the next served step (node.train.publication). With peers, the
                  next local batches train meanwhile (node.train.ahead): the next round's first inner update, or
-                 with a resident inner loop (on a GPU) inner updates of the device's copy as the round runs
+                 where the inner loop trains a copy of its own (a GPU, --inner-copy) inner updates of the copy
 
 node.lowcomm.rounds.InnerRounds keeps the anchor, the pseudo-gradient set aside and the error feedback. A served
 step is an outer round, for a node alone too: its inner updates are its own, not published, hashed or recorded.
