@@ -138,12 +138,12 @@ class SwarmConfig:
                                    "round runs", without="a node with peers trains its next local batches while its "
                                    "round runs: one inner update's allowance, which makes the next round's first "
                                    "inner update, or, where the inner loop trains a copy of its own (a GPU, "
-                                   "--inner-copy), inner updates of the copy, as many as the round holds",
+                                   "--inner-copy), inner updates of the copy, as many as it made before the round",
                                    action="store_false", dest="train_in_rounds")
     # on a GPU the inner loop always trains a copy of its own, on the device (node.train.compute.Compute.resident)
     inner_copy: bool = option(False, "--inner-copy", "low-comm on the CPU: the inner loop trains a copy of the model "
                               "of its own, as on a GPU, so that its inner updates go on while an outer round runs "
-                              "(as many as the round holds; P more memory, P the fp32 parameters)",
+                              "(as many as it made before the round; P more memory, P the fp32 parameters)",
                               without="on the CPU the inner loop trains the parameters the swarm shares, and a round "
                               "trains one inner update's batches", action="store_true", dest="inner_copy")
     outer_lr: float = option(0.7, "--outer-lr", "low-comm: outer Nesterov SGD learning rate")

@@ -117,11 +117,16 @@ class InnerRounds:
             self.anchor = views
 
     @property
+    def between_rounds(self) -> int:
+        """The inner updates since the anchor made between rounds (not during one)."""
+        return self.steps - self._during_rounds
+
+    @property
     def due(self) -> bool:
         """Once --inner-steps inner updates were made between rounds (and `min_round_s` passed since the first):
         those made during the last round do not count, so the next round never begins the moment the last one ends,
         and a node behind has the time of the inner updates to catch up and join it."""
-        if self.steps - self._during_rounds < self.inner_steps:
+        if self.between_rounds < self.inner_steps:
             return False
         return self.min_round_s <= 0 or self._clock() - self._first_step_at >= self.min_round_s
 

@@ -10,7 +10,7 @@ payloads over the link. The training thread sits in hivemind's `Optimizer.step` 
   `delay_optimizer_step` and overlapped DiLoCo accept), so no sample computed is dropped;
 - the inner loop is resident (node.train.compute, on a GPU): the round reads the parameters, not the device's copy,
   so the inner updates go on, each of a local batch as between rounds, applied to the copy at once (`step`:
-  node.lowcomm.rounds, `step_in_round`), up to `max_steps` of them: as many as the round itself holds,
+  node.lowcomm.rounds, `step_in_round`), up to `max_steps` of them: as many as were made before the round,
   --inner-steps at least (a GPU's round is due by time, --min-round-seconds, and holds more). The round's end puts
   the outer step's result under them; they are the next round's first inner updates, and their samples and loss
   its own (`take_trained`). A batch's milliseconds fill a round's seconds of waiting so, where one allowance filled

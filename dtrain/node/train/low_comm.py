@@ -105,8 +105,8 @@ class LowCommLoop:
             node.presence.reported_samples()
         if node.ahead is not None and not alone and node.trains_on_own_data():
             # the next batches while the round waits (stopped before it writes what they read); a resident loop's
-            # inner updates, as many as this round holds
-            node.ahead.start(max_steps=max(rounds.inner_steps, inner_updates))
+            # inner updates, as many as this round made between rounds (a round late, never more)
+            node.ahead.start(max_steps=max(rounds.inner_steps, rounds.between_rounds))
         try:
             opt.step(batch_size=new_samples)
         finally:
