@@ -25,7 +25,12 @@ from dtrain.node.split.experts import ExpertRegistry
 from dtrain.node.split.kv_cache import KVCacheStore
 from dtrain.node.tokenizer import load_tokenizer
 from dtrain.node.train import reference
-from dtrain.node.train.compute import Compute
+from dtrain.node.data import TokenDataset
+from dtrain.node.lowcomm.outer import OuterNesterov
+from dtrain.node.lowcomm.rounds import InnerRounds
+from dtrain.node.train.adamw import make_local_optimizer
+from dtrain.node.train.ahead import Ahead
+from dtrain.node.train.compute import Compute, OwnBatches
 from dtrain.node.train.trainer import TrainingNode
 from tests.nodeproc import TINY_CONFIG, new_run_id, wait_until
 
@@ -67,6 +72,43 @@ def test_the_gpu_gradient_points_where_the_cpu_gradient_does(model):
     np.testing.assert_allclose(torch.cat([g.reshape(-1) for g in sums]).numpy(), 8 * a.float().numpy(), rtol=0,
                                atol=8e-6)
     assert np.isfinite(ref.gradient[0]).all() and ref.gradient[0] is not sums[0]  # the reference kept its own copy
+
+
+def test_the_gpus_copy_goes_on_with_inner_updates_during_a_round_and_lands_them_on_its_result():
+    """With a peer, the inner updates go on on the GPU's copy while the round runs (bf16 autocast, fused AdamW), the
+    copy as the round found it is held on the GPU, and the round's end leaves the copy at copy - base + parameters."""
+    model = build_model(ModelConfig.load(TINY_CONFIG))
+    compute = Compute(model, resolve("cuda"))
+    replica = compute.resident()
+    params, trained = list(model.parameters()), list(replica.parameters())
+    for p in params:
+        p.grad = torch.zeros_like(p)  # hivemind's gradient buffers, on the CPU
+    data = TokenDataset(np.random.default_rng(0).integers(0, 50257, size=20_000, dtype=np.uint32))
+    own = OwnBatches(compute, data, 4, 32, np.random.default_rng(0)).next
+    ahead = Ahead(own, 4, step=lambda grads: rounds.step_in_round(grads), max_steps=5)
+    rounds = InnerRounds(params, make_local_optimizer(replica, TrainConfig()), 5, trained=trained,
+                         before_write=ahead.stop)
+    rounds.inner_step([torch.full_like(t, 1e-3) for t in trained])
+    outer = OuterNesterov(params, lr=0.7, momentum=0.9)
+    outer.source = rounds.begin()
+    at_begin = [p.detach().clone() for p in params]
+    ahead.start()
+    wait_until(lambda: ahead.steps == 5, 120, "five inner updates during the round")
+    assert all(b.device == CUDA for b in rounds._round_base)  # held on the GPU, not the host
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, at_begin))  # the round's parameters untouched
+    moved = [t.detach().clone() for t in trained]
+    assert any(not torch.equal(m.cpu(), b) for m, b in zip(moved, at_begin))
+    for p in params:
+        p.grad = torch.full_like(p, 3e-3)  # the round's average
+    outer.step()
+    ahead.stop()
+    rounds.applied()
+    rounds.settle()
+    assert all(t.device == CUDA for t in trained) and rounds._round_base is None
+    for t, m, b, p in zip(trained, moved, at_begin, params):
+        assert torch.equal(t, (m - b.to(CUDA)) + p.detach().to(CUDA))
+    samples, loss = ahead.take_trained()
+    assert samples == 20 and loss.device == CUDA and rounds.steps == 5 and not rounds.due
 
 
 def test_a_node_on_cuda_trains_and_serves_its_fp32_master_bytes():
