@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
 from dtrain.node import memory
-from dtrain.node.lowcomm import sparse
+from dtrain.node.lowcomm.offer import SparseOffer
 
 
 class InnerRounds:
@@ -189,7 +189,7 @@ class InnerRounds:
             self._compress, self._offer = compress, None
         if self._offer is None:
             if self._compress and self.feedback is not None:
-                self._offer = _SparseOffer.of(self)
+                self._offer = SparseOffer.of(self)
             else:  # read tensor by tensor: nothing held (every reader takes it inside the round, before settle)
                 self._offer = self.pseudo_gradient()
         return self._offer
@@ -199,7 +199,7 @@ class InnerRounds:
         multiplying; a sparse offer is scattered where it has values, with no dense tensor made."""
         offer = self.offer(compress)
         with torch.no_grad():
-            if not isinstance(offer, _SparseOffer):
+            if not isinstance(offer, SparseOffer):
                 for buffer, d in zip(into, offer):
                     buffer.copy_(d).mul_(scale)
                 return
@@ -209,7 +209,7 @@ class InnerRounds:
 
     def payload(self) -> Optional[bytes]:
         """The sparse offer's payload, as it goes on the wire (node.lowcomm.sparse); None for a dense offer."""
-        return self._offer.payload if isinstance(self._offer, _SparseOffer) else None
+        return self._offer.payload if isinstance(self._offer, SparseOffer) else None
 
     def begin(self) -> "RoundSource":
         """Enter the outer round with the parameters where the inner updates left them; returns what the outer step
@@ -320,7 +320,7 @@ class InnerRounds:
             if self.feedback is not None and (self._compress or self._feedback_written):
                 offer, delta = self.offer(), self.pseudo_gradient()
                 # a sparse offer is subtracted where it has values, with the bits of subtracting it dense
-                sent = offer.carried() if isinstance(offer, _SparseOffer) else offer
+                sent = offer.carried() if isinstance(offer, SparseOffer) else offer
                 for i, (e, d, o) in enumerate(zip(self.feedback, delta, sent)):
                     e.add_(d)
                     if isinstance(o, torch.Tensor):
@@ -445,54 +445,6 @@ class _PseudoGradient(Sequence):
             return rounds.params[i].grad.detach()
         with torch.no_grad():
             return rounds.anchor[i] - rounds.inner_parameter(i)
-
-
-class _SparseOffer(Sequence):
-    """A sparse round's offer, held as the payload it sends (node.lowcomm.sparse: positions and 8-bit values, about
-    0.06P at top-0.2, where the dense offer held P): the top-k of pseudo-gradient plus error feedback of each tensor,
-    quantized over the model's flat order. Iterating decodes it a tensor at a time and gives each tensor dense, with
-    the bits the dense offer had."""
-
-    def __init__(self, like: Sequence[torch.Tensor], payload: bytes):
-        self._like, self.payload = list(like), payload
-
-    @classmethod
-    @torch.no_grad()
-    def of(cls, rounds: "InnerRounds") -> "_SparseOffer":
-        sizes = [p.numel() for p in rounds.params]
-        built = sparse.PayloadBuilder(sum(sizes), sparse.max_kept(sizes, rounds.fraction))
-        for e, a, q in zip(rounds.feedback, rounds.anchor, rounds.inner_parameters()):
-            # one tensor at a time, and one copy of it: its magnitudes for the top-k, then its kept values read
-            # again from the same tensors (e + (a - q), the bits the dense sum has)
-            e, a, q = (t.reshape(-1) for t in (e, a, q))
-            magnitude = a - q
-            magnitude.add_(e).abs_()
-            idx = sparse.top_k_indices(magnitude, sparse.kept(magnitude.numel(), rounds.fraction))
-            del magnitude
-            values = e[idx] + (a[idx] - q[idx])
-            nonzero = values != 0  # a kept 0 is no position: as quantize_ reads it
-            built.add(idx[nonzero].numpy(), values[nonzero].numpy(), e.numel())
-        sparse.quantize_([torch.from_numpy(built.values)])  # blocks in the model's flat order, as the dense offer's
-        return cls(rounds.params, built.payload(quantized=True))
-
-    def __len__(self) -> int:
-        return len(self._like)
-
-    def carried(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Per tensor: the positions within it and the values it carries (what iterating scatters into zeros)."""
-        return sparse.decode_tensors(self.payload, [t.numel() for t in self._like], quantized=True)
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        for like, (local, values) in zip(self._like, self.carried()):
-            out = torch.zeros(like.numel(), dtype=torch.float32)
-            out[torch.from_numpy(local)] = torch.from_numpy(values)
-            yield out.view_as(like)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        for j, tensor in enumerate(self):
-            if j == i:
-                return tensor
-        raise IndexError(i)
 
 
 class RoundSource:

@@ -117,9 +117,8 @@ class TrainingNode:
         self.ledger = ledger if ledger is not None else ContributorLedger(
             scoring=ScoringConfig(enabled=config.contributor_scoring))
         self.low_comm = config.swarm.sync == "low-comm"
-        if resident is None:
-            resident = self.device.is_cuda or config.swarm.inner_copy
-        self.resident = self.low_comm and resident
+        self.resident = self.low_comm and (resident if resident is not None else
+                                           self.device.is_cuda or config.swarm.inner_copy)
         # the all-reduce deadline: sized for the bytes of a round, kept from each round's measured throughput
         sizes = (lowcomm_codec.round_sizes(config.swarm, self.total_params) if self.low_comm
                  else per_step_sizes(self.total_params))
@@ -316,10 +315,9 @@ class TrainingNode:
         self.agreement = Agreement(swarm.dht, opt, self.model, self.swarm_config, self._stop, seed_digest,
                                    swarm.owner, present=lambda: self.presence.alive(swarm.service))
         if self.dataset is not None:  # each node draws its own batches: a generator seeded by its peer id
-            seed = int.from_bytes(swarm.peer_id.encode()[-8:], "little")
-            seq_len = min(cfg.local_seq_len, self.model_config.max_seq_len)
-            self.batches = OwnBatches(self.compute, self.dataset, cfg.local_batch_size, seq_len,
-                                      np.random.default_rng(seed))
+            rng = np.random.default_rng(int.from_bytes(swarm.peer_id.encode()[-8:], "little"))
+            self.batches = OwnBatches(self.compute, self.dataset, cfg.local_batch_size,
+                                      min(cfg.local_seq_len, self.model_config.max_seq_len), rng)
         if self.low_comm and cfg.swarm.wire_codec == "sparse":
             # every node computes the same outer step: a node behind may replay rounds (a joiner's download too)
             self.catchup = CatchUp(swarm, self.agreement, self.model, cfg.swarm.topk_fraction, cfg.swarm.link_mbit)
@@ -349,12 +347,11 @@ class TrainingNode:
                 logger.info(f"The inner loop trains on {self.device.describe()}; the parameters on the CPU take its "
                             f"values once per outer round")
             if self.dataset is not None and cfg.swarm.train_in_rounds:  # trained while a round is on the wire
-                if self.resident:  # inner updates of the copy, a local batch each as between rounds
-                    self.ahead = Ahead(self.batches.next, cfg.local_batch_size,
-                                       step=lambda grads: self.rounds.step_in_round(grads),
-                                       max_steps=cfg.swarm.inner_steps)
-                else:  # the batches of one update, summed
-                    self.ahead = Ahead(self.batches.next, max(cfg.local_samples_per_update, cfg.local_batch_size))
+                # a copy's inner updates, a local batch each as between rounds; else one update's batches, summed
+                step = (lambda grads: self.rounds.step_in_round(grads)) if self.resident else None
+                allowance = cfg.local_batch_size if self.resident else max(cfg.local_samples_per_update,
+                                                                           cfg.local_batch_size)
+                self.ahead = Ahead(self.batches.next, allowance, step=step, max_steps=cfg.swarm.inner_steps)
             self.rounds = InnerRounds(list(self.model.parameters()), inner, cfg.swarm.inner_steps, fraction,
                                       published=self._served_f32, min_round_s=self._min_round_s(), trained=trained,
                                       before_write=self.ahead.stop if self.ahead is not None else lambda: None)
