@@ -51,9 +51,9 @@ class LowCommLoop:
             self._inner_update()
             worked = True
         node.follower.catch_up()
-        # what was trained while the last round ran counts before the next round begins, whichever call ended it
-        # (a catch-up may have, just now): a resident loop's updates are in the parameters that round offers
-        worked |= self._train_ahead()
+        # a copy's updates made while the last round ran count before the next round begins, whichever call ended
+        # it (a catch-up may have, just now): they are in the parameters that round offers
+        worked |= self._credit_trained()
         if node.gradient.samples > 0:
             self._outer_round()
         worked |= self._train_ahead()
@@ -142,16 +142,25 @@ class LowCommLoop:
         if node.ahead.error is not None:
             error, node.ahead.error = node.ahead.error, None
             raise error
-        samples, loss = node.ahead.take_trained()
-        if samples:
-            node.gradient.add_trained(samples, loss)
+        credited = self._credit_trained()
         batch = node.ahead.take()
         if batch is None:
-            return samples > 0
+            return credited
         node.add_local(batch)
         del batch
         self._inner_update()
         return True
+
+    def _credit_trained(self) -> bool:
+        """A resident loop's inner updates made while the last round ran: their samples and loss join the pending
+        gradient, once the round is over. Returns whether there were any."""
+        node = self.node
+        if node.ahead is None or node.rounds.in_outer:
+            return False
+        samples, loss = node.ahead.take_trained()
+        if samples:
+            node.gradient.add_trained(samples, loss)
+        return samples > 0
 
     def _publish(self, outcome, started: float, inner_updates: int) -> None:
         """The outer update's step served: the peers agree on its digest, the round's buffers go, its snapshot
