@@ -63,14 +63,23 @@ def test_a_group_that_expected_more_peers_closes_at_its_time_with_those_who_came
 
 
 def test_peers_at_different_epochs_find_no_group_and_at_one_epoch_average(pair):
-    EPOCHS[:] = [7, 8]  # member 0 one epoch behind: it would apply the others' gradient to its older parameters
+    """Member 0 is one epoch behind: it would apply the other's gradient to its older parameters. Its round began
+    first, so member 1 asks it to lead; turned away, member 1 finds no group, and member 0's round ends at once: the
+    request told it the swarm is past its epoch, before any read of the swarm's records would."""
+    EPOCHS[:] = [7, 8]
     for _, averager in pair:
         averager.expect_group(2)
         averager.accumulate_grads_(batch_size=1)
-    controls = [averager.step(wait=False, timeout=MATCHMAKING_S + 2, allow_retries=False) for _, averager in pair]
-    for i, control in enumerate(controls):
-        with pytest.raises(Exception, match="could not find a group"):
-            control.result(2 * STEP_TIMEOUT_S)
+    behind = pair[0][1].step(wait=False, timeout=STEP_TIMEOUT_S, allow_retries=False)
+    time.sleep(0.5)
+    began = time.monotonic()
+    ahead = pair[1][1].step(wait=False, timeout=MATCHMAKING_S + 2, allow_retries=False)
+    with pytest.raises(BehindTheSwarm, match="epoch 8, this round at 7"):
+        behind.result(STEP_TIMEOUT_S)
+    heard = time.monotonic() - began
+    assert heard < MATCHMAKING_S / 2, f"the round behind ended {heard:.1f}s after a peer at epoch 8 asked it"
+    with pytest.raises(Exception, match="could not find a group"):
+        ahead.result(2 * STEP_TIMEOUT_S)
     EPOCHS[:] = [8, 8]
     try:
         timed_round(pair, expect=2)  # the same two peers, at one epoch: the average of both

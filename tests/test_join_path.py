@@ -48,6 +48,7 @@ def _tracker(local_epoch: int, key: bytes = b"me", client: bool = False) -> Pace
     tracker.on_swarm_epoch = tracker.swarm_epochs.append
     tracker.round_due, tracker.between_rounds_s, tracker._others_due_at, tracker._due_at = None, 3.0, None, None
     tracker._reads, tracker._read_wait = 0, (0, 0.0)
+    tracker._counted, tracker._missing = {}, (-1, frozenset())
     tracker.dht, tracker.client_mode = type("DHT", (), {"peer_id": PeerID(b"me")})(), client
     tracker.should_report_progress, tracker.global_state_updated = threading.Event(), threading.Event()
     tracker.local_progress = LocalTrainingProgress(peer_id=b"me", epoch=local_epoch, samples_accumulated=8,
@@ -170,3 +171,30 @@ def test_after_a_round_that_gave_no_update_the_next_waits_for_a_fresh_read_of_th
     tracker.read_before_next_round()
     tracker._read_wait = (tracker._read_wait[0], time.monotonic() - 1.0)
     assert tracker.ready_to_update_epoch
+
+
+def test_a_peer_one_epoch_behind_whose_round_is_due_counts_until_a_round_that_counted_it_went_without_it():
+    # the swarm is at 5: b and this peer made the round of epoch 4 without c, which came late to its group; c's
+    # record of epoch 4 says its round is due. It catches up by replay and brings its gradient to this round
+    tracker = _tracker(5)
+    tracker.round_due, tracker.others_present, tracker.settle_s = (lambda: True), (lambda: True), 60.0
+    me, b = _entry(5, 8, peer=b"me"), _entry(5, 8, peer=b"b", rate=0.0)
+
+    def read(metadata):
+        tracker.global_progress = tracker._parse_swarm_progress_data(metadata)
+        tracker._seen_samples, tracker._grew_at = tracker.global_progress.samples_accumulated, time.monotonic()
+        return tracker.global_progress.num_peers, tracker.ready_to_update_epoch
+
+    assert read({b"me": me, b"b": b, b"c": _entry(4, 8, peer=b"c", rate=0.0)}) == (3, True)  # due: no settle wait
+    # one epoch behind and still training, or two behind: in no round of this epoch
+    assert read({b"me": me, b"b": b, b"c": _entry(4, 8, peer=b"c")}) == (2, True)
+    assert read({b"me": me, b"b": b, b"c": _entry(3, 8, peer=b"c", rate=0.0)}) == (2, True)
+    # the round of epoch 5 counted c and went without it (it left while its round was due): at epoch 6 its record of
+    # epoch 5 no longer counts, while d, behind when that round was counted, counts as c did above
+    read({b"me": me, b"b": b, b"c": _entry(5, 8, peer=b"c", rate=0.0)})
+    tracker.round_went(5, [PeerID(b"me").to_base58(), PeerID(b"b").to_base58()])
+    tracker.local_progress = tracker._get_local_progress(6, 8)
+    me, b = _entry(6, 8, peer=b"me"), _entry(6, 8, peer=b"b", rate=0.0)
+    assert read({b"me": me, b"b": b, b"c": _entry(5, 8, peer=b"c", rate=0.0)}) == (2, True)
+    assert read({b"me": me, b"b": b, b"c": _entry(5, 8, peer=b"c", rate=0.0),
+                 b"d": _entry(5, 8, peer=b"d", rate=0.0)}) == (3, True)

@@ -26,7 +26,12 @@ made two or three updates, which the peer then replayed, arriving late again: in
 went round this loop for 17 minutes. So the node tells its averager the swarm's epoch (`swarm_at`) as its tracker
 reads it, and as it reads it itself while it waits for its round (node.swarm.optimizer), and a round still
 matchmaking at an older epoch ends with `BehindTheSwarm`, through the same path as any error of hivemind's
-matchmaking (its group future fails; followers, if any, are sent away); the peer catches up at once.
+matchmaking (its group future fails; followers, if any, are sent away); the peer catches up at once. A leader also
+learns it from the peers themselves: a follower that asks to join at a later epoch is turned away, and the leader's
+round ends as if its node had read that epoch (the others' round began a read's interval, up to a second, before
+the leader's node would see it). Only the round it heard this in ends: a stranger that claims a later epoch ends one
+round of this peer, as one that joins and then fails it would, and the node catches up only to the epoch its own
+reads of the swarm's records say.
 """
 from __future__ import annotations
 
@@ -82,6 +87,7 @@ class SameEpochGroup:
     def __init__(self, *args, round_epoch: Callable[[], Optional[int]] = lambda: None, **kwargs):
         self._round_epoch = round_epoch
         self._swarm_epoch = mp.Value("q", -1, lock=False)  # written by the node, read in the averager's process
+        self._heard_epoch = -1  # in the averager's process: the epoch a follower asked this round's group at, if later
         super().__init__(*args, **kwargs)
 
     def swarm_at(self, epoch: int) -> None:
@@ -99,9 +105,10 @@ class SameEpochGroup:
             checks = matchmaking._check_reasons_to_reject
 
             def check(request, context):
-                return checks(request, context) or other_epoch(matchmaking.step_control, request)
+                return checks(request, context) or self._other_epoch(matchmaking.step_control, request)
 
             matchmaking._check_reasons_to_reject, matchmaking.same_epoch_only = check, True
+        self._heard_epoch = -1  # one round at a time (hivemind's lock): what a follower said ends this one only
         watch = asyncio.create_task(self._end_when_behind(kwargs["step"]))
         try:
             return await super()._step(**kwargs)
@@ -110,13 +117,22 @@ class SameEpochGroup:
         finally:
             watch.cancel()
 
+    def _other_epoch(self, leading, request) -> Optional[averaging_pb2.MessageFromLeader]:
+        """`other_epoch`, and a follower at a later epoch is heard: this round is behind the swarm."""
+        answer = other_epoch(leading, request)
+        if answer is not None:
+            ours, theirs = epoch_of(leading.data_for_gather), epoch_of(request.gather)
+            if theirs > ours:  # bounded: the follower says only that some peer is past this round
+                self._heard_epoch = max(self._heard_epoch, ours + 1)
+        return answer
+
     async def _end_when_behind(self, step) -> None:
         ours = epoch_of(step.data_for_gather)
         if ours is None:
             return
         while not step.done():
             await asyncio.sleep(WATCH_S)
-            swarm = self._swarm_epoch.value
+            swarm = max(self._swarm_epoch.value, self._heard_epoch)
             if swarm > ours and step.stage == AveragingStage.LOOKING_FOR_GROUP:
                 group = self._matchmaking.assembled_group
                 if not group.done():

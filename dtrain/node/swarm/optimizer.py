@@ -370,6 +370,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             # agreement, carried into a later one too. The node catches up first (SwarmFollower.catch_up) and
             # joins the swarm's next round with its gradient intact.
             return
+        epoch = self.local_epoch
         try:
             super()._update_global_epoch(grad_scaler)
         except NoSwarmRound as e:
@@ -381,6 +382,8 @@ class SwarmOptimizer(hivemind.Optimizer):
                 logger.info(f"{e}; {self.skipped_rounds} such rounds so far")
             return
         self.last_round = RoundOutcome(epoch=self.local_epoch, group=self._round_group, clean=self._round_clean)
+        if isinstance(self.tracker, PacedTracker):  # whom it counted and went without (a peer that left, or late)
+            self.tracker.round_went(epoch, self._round_group)
         if not self.client_mode:
             self.state_averager.state_sharing_priority = self.local_epoch + update_bonus(
                 self._update_bonus, clean=self._round_clean)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 from hivemind.optim.progress_tracker import GlobalTrainingProgress, LocalTrainingProgress, ProgressTracker
 from hivemind.p2p import PeerID
@@ -29,6 +29,13 @@ class PacedTracker(ProgressTracker):
     peer's round look for a group it never joined. A record alone is not enough either way: hivemind stops publishing
     the progress of a peer with no samples of its own two epochs on, so a full peer that only joins client-mode
     peers' rounds keeps a record behind while it is in every one of them.
+
+    A peer one epoch behind whose round is due (its record says so, below) counts too, unless it was missing from
+    this peer's last round although counted for it. It is the one the others' last round went without: it came late to
+    that round's group (with rounds of a second or two, three nodes left a different one out of each round, each one's
+    catching up by replay taking about as long as a round). It catches up in a fraction of a round and brings its
+    gradient to this one, so the group waits for it, within matchmaking's time, instead of closing without it again. A
+    peer that left while its round was due is counted for the one round that finds it missing, not for the next.
 
     A low-comm node whose round is due trains no more in this epoch, and its progress record says so: a rate of 0
     samples per second (hivemind's own estimate is never 0: it starts at 1e-20). Once every other peer the round
@@ -63,6 +70,10 @@ class PacedTracker(ProgressTracker):
         # the epoch at which every other peer the round counts said its round is due (the last read), if any
         self._others_due_at: Optional[int] = None
         self._due_at: Optional[int] = None  # the epoch at which this node's round is due (`round_is_due`)
+        # epoch -> the other peers the last read at that epoch counted (the last two epochs), and the peers counted
+        # for this peer's last round that were not in its group (`round_went`)
+        self._counted: dict[int, frozenset[str]] = {}
+        self._missing: tuple[int, frozenset[str]] = (-1, frozenset())
         # no round before this many reads of the swarm's progress, until when (`read_before_next_round`)
         self._reads, self._read_wait = 0, (0, 0.0)
         super().__init__(*args, **kwargs)
@@ -94,15 +105,25 @@ class PacedTracker(ProgressTracker):
             announced = self.announced_epochs()
             others = [LocalTrainingProgress.parse_obj(v.value) for key, v in metadata.items()
                       if v.value is not None and key != self._local_public_key]
-            current = [p for p in others if p.epoch >= progress.epoch
-                       or announced.get(_peer_name(p.peer_id), -1) >= progress.epoch]
+            epoch, (missing_at, missing) = progress.epoch, self._missing
+
+            def at_epoch(p: LocalTrainingProgress) -> bool:
+                return p.epoch >= epoch or announced.get(_peer_name(p.peer_id), -1) >= epoch
+
+            def late(p: LocalTrainingProgress) -> bool:  # one epoch behind, its round due: it catches up (above)
+                return (not at_epoch(p) and p.epoch == epoch - 1 and p.samples_per_second == 0.0
+                        and not (missing_at == p.epoch and _peer_name(p.peer_id) in missing))
+
+            current = [p for p in others if at_epoch(p) or late(p)]
+            counted = frozenset(_peer_name(p.peer_id) for p in current)  # one assignment: read by the node's thread
+            self._counted = {**{e: names for e, names in self._counted.items() if e == epoch - 1}, epoch: counted}
             # this peer by what it knows of itself, not by its record (hivemind may have stopped publishing it, as
             # above): left out of its own count, a full peer found itself alone with a client and began no round
             if self._local_public_key in metadata and self.local_progress.epoch >= progress.epoch:
                 current.append(self.local_progress)
             progress.num_peers, progress.num_clients = len(current), sum(p.client_mode for p in current)
             others_current = [p for p in current if p is not self.local_progress]
-            due = bool(others_current) and all(p.epoch == progress.epoch and p.samples_per_second == 0.0
+            due = bool(others_current) and all((p.epoch == epoch and p.samples_per_second == 0.0) or late(p)
                                                for p in others_current)
             self._others_due_at = progress.epoch if due else None
         else:
@@ -131,6 +152,11 @@ class PacedTracker(ProgressTracker):
         self.report_local_progress(local.epoch, local.samples_accumulated)
         self.global_progress.next_fetch_time = get_dht_time()
         self.global_state_updated.set()
+
+    def round_went(self, epoch: int, group: Iterable[str]) -> None:
+        """This peer's round at `epoch` averaged with `group` (peer ids): the peers the round counted that are not in
+        it are not counted as one epoch behind in the next (see the class docstring)."""
+        self._missing = (epoch, self._counted.get(epoch, frozenset()) - set(group))
 
     def read_before_next_round(self) -> None:
         """This peer's round gave it no update. The swarm may have moved on meanwhile (a peer's update alone, the
