@@ -36,6 +36,7 @@ END = re.compile(r"Downloaded the state (of epoch \d+ in ranges|from \S+) |The d
 UPDATE = re.compile(r"\] update (\d+): ")
 NO_GROUP = re.compile(r"Gradient averaging failed \(.*could not find a group")  # the node's line, one per round
 TOGETHER = re.compile(r"\] update (\d+): .* 2 peers, ")  # an update of a round that averaged two peers
+ALONE = re.compile(r"\] update (\d+): .* 1 peers, ")  # an update of this node alone
 MIN_WINDOW_S = 10.0  # a download shorter than this says nothing about the founder's pace
 
 
@@ -98,8 +99,10 @@ def test_the_founder_keeps_training_while_a_joiner_downloads_and_when_it_comes_b
                 killed = time.time()
                 # B's records (its progress at the epoch it left at) live on in the DHT for up to a minute; A's round
                 # at that epoch may wait for it (the one round a leaving node costs), no later one: B comes back as
-                # soon as A has updated once, while its old records are still there
-                wait_until(lambda: a.status()["updates"] >= left_at + 1, 120, "A's update after B left", 0.2)
+                # soon as A has made an update without it, while its old records are still there (an update of A's
+                # after the kill may still be a round with B: the kill can land inside one)
+                wait_until(lambda: any(t >= killed for t in stamped(a.output(), ALONE)), 120,
+                           "A's update without B", 0.2)
                 back = start_in(hosts["B"], "B2", b_args, run_id, peers)
                 nodes.append(back)
                 back.wait_ready(240)
