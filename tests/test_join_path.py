@@ -43,7 +43,7 @@ def _tracker(local_epoch: int, key: bytes = b"me", client: bool = False) -> Pace
     tracker.expected_drift_peers, tracker.expected_drift_rate = 3, 0.2
     tracker.performance_ema = PerformanceEMA(alpha=0.1)
     tracker._local_public_key = key
-    tracker.announced_epochs = dict
+    tracker.announced_epochs, tracker.downloading = dict, dict
     tracker.swarm_epochs = []  # what it hands the averager at each read (node.swarm.groupsize.BehindTheSwarm)
     tracker.on_swarm_epoch = tracker.swarm_epochs.append
     tracker.round_due, tracker.between_rounds_s, tracker._others_due_at, tracker._due_at = None, 3.0, None, None
@@ -94,6 +94,31 @@ def test_a_peer_announced_at_the_swarms_epoch_counts_whatever_its_record_says():
     client.announced_epochs = lambda: {**announced, PeerID(b"me").to_base58(): 3}
     progress = client._parse_swarm_progress_data(metadata)
     assert (progress.num_peers, progress.num_clients) == (3, 1)
+
+
+def test_a_peer_that_announced_a_download_after_its_record_counts_by_neither():
+    # b left at epoch 6 and this peer's rounds since then found no group (they looked for b): b's old record is at
+    # the swarm's epoch. b is back with its identity and downloads the state; its announcement says so, later than
+    # that record
+    tracker = _tracker(6)
+    tracker.round_due, tracker.others_present, tracker.settle_s = (lambda: True), (lambda: True), 60.0
+    old = _entry(6, 8, peer=b"b", rate=0.0)
+    metadata = {b"me": _entry(6, 8, peer=b"me"), b"b": old}
+    downloading = {}
+    tracker.downloading = lambda: downloading
+    assert tracker._parse_swarm_progress_data(metadata).num_peers == 2
+    downloading[PeerID(b"b").to_base58()] = old.value["time"] + 1.0
+    assert tracker._parse_swarm_progress_data(metadata).num_peers == 1
+    tracker.announced_epochs = lambda: {PeerID(b"b").to_base58(): 6}  # nor by an announcement of its epoch
+    assert tracker._parse_swarm_progress_data(metadata).num_peers == 1
+    # one epoch behind and due by that record: not late either
+    tracker.local_progress = tracker._get_local_progress(7, 8)
+    assert tracker._parse_swarm_progress_data({b"me": _entry(7, 8, peer=b"me"), b"b": old}).num_peers == 1
+    # its download done, its record of the epoch it arrived in is the newer word: it counts
+    metadata[b"b"] = arrived = _entry(7, 0, peer=b"b")
+    arrived.value["time"] = downloading[PeerID(b"b").to_base58()] + 1.0
+    metadata[b"me"] = _entry(7, 8, peer=b"me")
+    assert tracker._parse_swarm_progress_data(metadata).num_peers == 2
 
 
 def test_no_records_is_hiveminds_own_answer():

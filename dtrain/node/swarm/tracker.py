@@ -28,7 +28,10 @@ class PacedTracker(ProgressTracker):
     replaying the rounds it missed, in no round of this epoch; counted (hivemind counts every record), it made this
     peer's round look for a group it never joined. A record alone is not enough either way: hivemind stops publishing
     the progress of a peer with no samples of its own two epochs on, so a full peer that only joins client-mode
-    peers' rounds keeps a record behind while it is in every one of them.
+    peers' rounds keeps a record behind while it is in every one of them. A peer whose announcement says it downloads
+    the state, later than its progress record was written, counts by neither: a node that came back with the
+    identity it left with finds its old record at the swarm's epoch when the others made no update since it left
+    (their rounds looked for it), and counted by it, it made their next round look for it through its download.
 
     A peer one epoch behind whose round is due (its record says so, below) counts too, unless it was missing from
     this peer's last round although counted for it. It is the one the others' last round went without: it came late to
@@ -53,7 +56,8 @@ class PacedTracker(ProgressTracker):
 
     def __init__(self, *args, settle_s: float, others_present: Callable[[], bool] = lambda: False,
                  round_due: Optional[Callable[[], bool]] = None,
-                 announced_epochs: Callable[[], Mapping[str, int]] = dict, between_rounds_s: float = 3.0,
+                 announced_epochs: Callable[[], Mapping[str, int]] = dict,
+                 downloading: Callable[[], Mapping[str, float]] = dict, between_rounds_s: float = 3.0,
                  on_swarm_epoch: Callable[[int], None] = lambda epoch: None, **kwargs):
         self.settle_s = settle_s
         self.between_rounds_s = between_rounds_s
@@ -62,6 +66,8 @@ class PacedTracker(ProgressTracker):
         self.others_present = others_present
         # peer id -> the epoch each node announced it is at (node.swarm.presence; -1 while it downloads)
         self.announced_epochs = announced_epochs
+        # peer id -> when each node that announces a download of the state announced it (node.swarm.presence)
+        self.downloading = downloading
         # low-communication mode: the node's own rule (its round is due, or it is the single server) replaces the
         # target and the settle rule; then this peer's round begins once the swarm's samples stopped growing
         self.round_due = round_due
@@ -102,16 +108,20 @@ class PacedTracker(ProgressTracker):
     def _parse_swarm_progress_data(self, metadata) -> GlobalTrainingProgress:
         progress = super()._parse_swarm_progress_data(metadata)
         if isinstance(metadata, dict) and metadata:
-            announced = self.announced_epochs()
+            announced, downloading = self.announced_epochs(), self.downloading()
             others = [LocalTrainingProgress.parse_obj(v.value) for key, v in metadata.items()
                       if v.value is not None and key != self._local_public_key]
             epoch, (missing_at, missing) = progress.epoch, self._missing
 
+            def downloads(p: LocalTrainingProgress) -> bool:  # its newest word: it downloads the state
+                return downloading.get(_peer_name(p.peer_id), float("-inf")) >= p.time
+
             def at_epoch(p: LocalTrainingProgress) -> bool:
-                return p.epoch >= epoch or announced.get(_peer_name(p.peer_id), -1) >= epoch
+                return not downloads(p) and (p.epoch >= epoch or announced.get(_peer_name(p.peer_id), -1) >= epoch)
 
             def late(p: LocalTrainingProgress) -> bool:  # one epoch behind, its round due: it catches up (above)
-                return (not at_epoch(p) and p.epoch == epoch - 1 and p.samples_per_second == 0.0
+                return (not at_epoch(p) and not downloads(p) and p.epoch == epoch - 1
+                        and p.samples_per_second == 0.0
                         and not (missing_at == p.epoch and _peer_name(p.peer_id) in missing))
 
             current = [p for p in others if at_epoch(p) or late(p)]

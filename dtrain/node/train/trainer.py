@@ -301,6 +301,7 @@ class TrainingNode:
             round_clock=self.round_clock,
             others_present=lambda: self.presence is not None and not self.presence.alone(),
             announced_epochs=lambda: self.presence.epochs() if self.presence is not None else {},
+            downloading=lambda: self.presence.downloading() if self.presence is not None else {},
             isolated=lambda: self.contact is not None and self.contact.isolated(),
             # low-comm: the loop's rule; whatever downloads sets the inner updates' parameters aside first
             round_due=(lambda: self.loop.round_due) if self.low_comm else None,
