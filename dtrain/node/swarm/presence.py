@@ -158,15 +158,6 @@ class Presence:
             stop.set()
             thread.join()
 
-    def epochs(self) -> dict[str, int]:
-        """peer id -> the epoch each node announced, as of the last refresh (-1: downloading)."""
-        return {peer: info.epoch for peer, info in self.nodes.items()}
-
-    def downloading(self) -> dict[str, float]:
-        """peer id -> when (DHT time) each node that announces a download of the state announced it, as of the last
-        refresh."""
-        return {peer: info.time for peer, info in self.nodes.items() if info.epoch < 0}
-
     def alone(self) -> bool:
         """No other node announced itself recently."""
         return all(peer == self.peer_id for peer in self.nodes)

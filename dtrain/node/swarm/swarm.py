@@ -23,7 +23,7 @@ from dtrain.node import memory
 from dtrain.node.swarm.commit import CommittingGradientAverager, chunk_timeout
 from dtrain.node.swarm.deadlines import RoundClock
 from dtrain.node.swarm.keygate import start_prover
-from dtrain.node.swarm.presence import presence_validator
+from dtrain.node.swarm.presence import PeerInfo, presence_validator
 from dtrain.node.swarm.records import RecordOwner, identity_kwargs
 from dtrain.node.swarm.swarmkey import SwarmJoinError, SwarmKeyAuthorizer, keyed_run_id, load_swarm_key
 from dtrain.node.swarm.reachability import Reachability, ReachabilityService, decide
@@ -71,14 +71,13 @@ class Swarm:
                  local_gradients: Callable[[], Sequence[torch.Tensor]], verbose: bool = False,
                  averaging: Averaging = Averaging(), round_clock: Optional[RoundClock] = None,
                  others_present: Callable[[], bool] = lambda: False, round_due: Optional[Callable[[], bool]] = None,
-                 announced_epochs: Callable[[], Mapping[str, int]] = dict,
-                 downloading: Callable[[], Mapping[str, float]] = dict,
+                 announced: Callable[[], Mapping[str, PeerInfo]] = dict,
                  isolated: Callable[[], bool] = lambda: False,
                  before_state_load: Optional[Callable[[], None]] = None):
         """`averaging`: how the gradient rounds average (per-step mode's by default). `round_clock`: keeps the
         all-reduce deadline from each round's measured throughput (node.swarm.deadlines); None:
         `config.averaging_timeout_s` throughout. `local_gradients`, `others_present`, `round_due`,
-        `announced_epochs`, `downloading`, `isolated` and `before_state_load`: what the node tells its optimizer
+        `announced`, `isolated` and `before_state_load`: what the node tells its optimizer
         (node.swarm.optimizer.SwarmOptimizer)."""
         self.config = config
         # a closed swarm: the key is read (or refused) before anything starts; the run's DHT keys are then named
@@ -131,7 +130,7 @@ class Swarm:
                 local_gradients=local_gradients,
                 others_present=others_present,
                 round_due=round_due,
-                announced_epochs=announced_epochs, downloading=downloading,
+                announced=announced,
                 isolated=isolated,
                 before_state_load=before_state_load,
                 update_bonus=peer_bonus(self.peer_id),

@@ -8,6 +8,8 @@ from hivemind.optim.progress_tracker import GlobalTrainingProgress, LocalTrainin
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
+from dtrain.node.swarm.presence import PeerInfo
+
 READ_WAIT_S = 10.0  # the longest a round waits for a read of the swarm's progress after one that gave no update
 
 
@@ -56,18 +58,17 @@ class PacedTracker(ProgressTracker):
 
     def __init__(self, *args, settle_s: float, others_present: Callable[[], bool] = lambda: False,
                  round_due: Optional[Callable[[], bool]] = None,
-                 announced_epochs: Callable[[], Mapping[str, int]] = dict,
-                 downloading: Callable[[], Mapping[str, float]] = dict, between_rounds_s: float = 3.0,
+                 announced: Callable[[], Mapping[str, PeerInfo]] = dict, between_rounds_s: float = 3.0,
                  on_swarm_epoch: Callable[[int], None] = lambda epoch: None, **kwargs):
         self.settle_s = settle_s
         self.between_rounds_s = between_rounds_s
         # whether other nodes announced themselves (node.swarm.presence); a swarm without announcements (the
         # adapter's, node.serve.adapter) says always
         self.others_present = others_present
-        # peer id -> the epoch each node announced it is at (node.swarm.presence; -1 while it downloads)
-        self.announced_epochs = announced_epochs
-        # peer id -> when each node that announces a download of the state announced it (node.swarm.presence)
-        self.downloading = downloading
+        # what each node announced (node.swarm.presence): peer id -> the epoch it is at (-1 while it downloads), and
+        # peer id -> when each node that announces a download of the state announced it
+        self.announced_epochs = lambda: {peer: info.epoch for peer, info in announced().items()}
+        self.downloading = lambda: {peer: info.time for peer, info in announced().items() if info.epoch < 0}
         # low-communication mode: the node's own rule (its round is due, or it is the single server) replaces the
         # target and the settle rule; then this peer's round begins once the swarm's samples stopped growing
         self.round_due = round_due
@@ -112,19 +113,17 @@ class PacedTracker(ProgressTracker):
             others = [LocalTrainingProgress.parse_obj(v.value) for key, v in metadata.items()
                       if v.value is not None and key != self._local_public_key]
             epoch, (missing_at, missing) = progress.epoch, self._missing
-
-            def downloads(p: LocalTrainingProgress) -> bool:  # its newest word: it downloads the state
-                return downloading.get(_peer_name(p.peer_id), float("-inf")) >= p.time
-
-            def at_epoch(p: LocalTrainingProgress) -> bool:
-                return not downloads(p) and (p.epoch >= epoch or announced.get(_peer_name(p.peer_id), -1) >= epoch)
-
-            def late(p: LocalTrainingProgress) -> bool:  # one epoch behind, its round due: it catches up (above)
-                return (not at_epoch(p) and not downloads(p) and p.epoch == epoch - 1
-                        and p.samples_per_second == 0.0
-                        and not (missing_at == p.epoch and _peer_name(p.peer_id) in missing))
-
-            current = [p for p in others if at_epoch(p) or late(p)]
+            at_epoch, late = [], []  # the peers the round counts (the class docstring)
+            for p in others:
+                name = _peer_name(p.peer_id)
+                if downloading.get(name, float("-inf")) >= p.time:
+                    continue  # its newest word: it downloads the state
+                if p.epoch >= epoch or announced.get(name, -1) >= epoch:
+                    at_epoch.append(p)
+                elif (p.epoch == epoch - 1 and p.samples_per_second == 0.0
+                      and not (missing_at == p.epoch and name in missing)):
+                    late.append(p)  # one epoch behind, its round due: it catches up
+            current = at_epoch + late
             counted = frozenset(_peer_name(p.peer_id) for p in current)  # one assignment: read by the node's thread
             self._counted = {**{e: names for e, names in self._counted.items() if e == epoch - 1}, epoch: counted}
             # this peer by what it knows of itself, not by its record (hivemind may have stopped publishing it, as
@@ -132,9 +131,8 @@ class PacedTracker(ProgressTracker):
             if self._local_public_key in metadata and self.local_progress.epoch >= progress.epoch:
                 current.append(self.local_progress)
             progress.num_peers, progress.num_clients = len(current), sum(p.client_mode for p in current)
-            others_current = [p for p in current if p is not self.local_progress]
-            due = bool(others_current) and all((p.epoch == epoch and p.samples_per_second == 0.0) or late(p)
-                                               for p in others_current)
+            # a peer counted late is due by what made it count
+            due = bool(at_epoch or late) and all(p.epoch == epoch and p.samples_per_second == 0.0 for p in at_epoch)
             self._others_due_at = progress.epoch if due else None
         else:
             self._others_due_at = None

@@ -300,8 +300,7 @@ class TrainingNode:
             averaging=lowcomm_codec.averaging(self.swarm_config) if self.low_comm else Averaging(),
             round_clock=self.round_clock,
             others_present=lambda: self.presence is not None and not self.presence.alone(),
-            announced_epochs=lambda: self.presence.epochs() if self.presence is not None else {},
-            downloading=lambda: self.presence.downloading() if self.presence is not None else {},
+            announced=lambda: self.presence.nodes if self.presence is not None else {},
             isolated=lambda: self.contact is not None and self.contact.isolated(),
             # low-comm: the loop's rule; whatever downloads sets the inner updates' parameters aside first
             round_due=(lambda: self.loop.round_due) if self.low_comm else None,
