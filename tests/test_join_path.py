@@ -51,6 +51,7 @@ def _tracker(local_epoch: int, key: bytes = b"me", client: bool = False) -> Pace
     tracker._counted, tracker._missing = {}, (-1, frozenset())
     tracker.dht, tracker.client_mode = type("DHT", (), {"peer_id": PeerID(b"me")})(), client
     tracker.should_report_progress, tracker.global_state_updated = threading.Event(), threading.Event()
+    tracker.lock_global_progress = threading.Lock()
     tracker.local_progress = LocalTrainingProgress(peer_id=b"me", epoch=local_epoch, samples_accumulated=8,
                                                    samples_per_second=1.0, time=get_dht_time(), client_mode=client)
     return tracker
@@ -190,6 +191,15 @@ def test_after_a_round_that_gave_no_update_the_next_waits_for_a_fresh_read_of_th
     assert tracker.global_epoch == 5 and tracker.ready_to_update_epoch
     # or it shows the swarm where it was: the round begins as before
     tracker.read_before_next_round()
+    tracker.global_progress = tracker._parse_swarm_progress_data(before)
+    assert tracker.ready_to_update_epoch
+    # a read already on its way when the round ended (it holds the progress lock) may show the swarm from before:
+    # the round waits for the one after it
+    with tracker.lock_global_progress:
+        tracker.read_before_next_round()
+        stale = tracker._parse_swarm_progress_data(before)
+    tracker.global_progress = stale
+    assert not tracker.ready_to_update_epoch, "a round began on a read that was on its way before the last round ended"
     tracker.global_progress = tracker._parse_swarm_progress_data(before)
     assert tracker.ready_to_update_epoch
     # and a read that never comes holds no round for longer than READ_WAIT_S

@@ -459,3 +459,4 @@ def adopt_epoch(opt, epoch: int) -> None:
     if not opt.client_mode:
         opt.state_averager.state_sharing_priority = epoch
         opt.grad_averager.state_sharing_priority = epoch
+    opt.tracker.read_before_next_round()  # its last read saw the swarm from an earlier epoch

@@ -238,6 +238,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         if self.before_state_load is not None:
             self.before_state_load()
         super().load_state_from_peers(**kwargs)
+        self.tracker.read_before_next_round()  # its last read saw the swarm from an earlier epoch
         if self.on_state_loaded is not None:
             self.on_state_loaded()
 
