@@ -53,6 +53,7 @@ def test_a_ping_puts_a_peer_back_in_the_routing_table_and_an_ended_peer_is_forgo
             time.sleep(1.0)
         assert gone not in contact.known and outcomes[-1] == REFUSED, outcomes
         assert str(b.peer_id) in contact.known
+        assert list(contact.ended()) == [gone] and 0 <= get_dht_time() - contact.ended()[gone] < 5
     finally:
         for d in dhts:
             d.shutdown()

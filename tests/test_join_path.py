@@ -43,7 +43,7 @@ def _tracker(local_epoch: int, key: bytes = b"me", client: bool = False) -> Pace
     tracker.expected_drift_peers, tracker.expected_drift_rate = 3, 0.2
     tracker.performance_ema = PerformanceEMA(alpha=0.1)
     tracker._local_public_key = key
-    tracker.announced_epochs, tracker.downloading = dict, dict
+    tracker.announced_epochs, tracker.downloading, tracker.ended = dict, dict, dict
     tracker.swarm_epochs = []  # what it hands the averager at each read (node.swarm.groupsize.BehindTheSwarm)
     tracker.on_swarm_epoch = tracker.swarm_epochs.append
     tracker.round_due, tracker.between_rounds_s, tracker._others_due_at, tracker._due_at = None, 3.0, None, None
@@ -120,6 +120,29 @@ def test_a_peer_that_announced_a_download_after_its_record_counts_by_neither():
     arrived.value["time"] = downloading[PeerID(b"b").to_base58()] + 1.0
     metadata[b"me"] = _entry(7, 8, peer=b"me")
     assert tracker._parse_swarm_progress_data(metadata).num_peers == 2
+
+
+def test_a_peer_whose_process_ended_after_its_record_counts_by_neither_until_it_writes_a_newer_one():
+    # b's process ended right after the round of epoch 6: its record and its announcement still say epoch 6, due
+    tracker = _tracker(6)
+    b = PeerID(b"b").to_base58()
+    last = _entry(6, 8, peer=b"b", rate=0.0)
+    metadata = {b"me": _entry(6, 8, peer=b"me"), b"b": last}
+    ended = {}
+    tracker.ended, tracker.announced_epochs = (lambda: ended), (lambda: {b: 6})
+    assert tracker._parse_swarm_progress_data(metadata).num_peers == 2
+    ended[b] = last.value["time"] - 1.0  # found ended before it wrote this record: a restart since
+    assert tracker._parse_swarm_progress_data(metadata).num_peers == 2
+    ended[b] = last.value["time"] + 1.0  # this node's contact thread found its dial refused
+    progress = tracker._parse_swarm_progress_data(metadata)
+    assert progress.num_peers == 1 and tracker._others_due_at is None  # this peer alone: its next round updates
+    # nor late, one epoch behind
+    tracker.local_progress = tracker._get_local_progress(7, 8)
+    assert tracker._parse_swarm_progress_data({b"me": _entry(7, 8, peer=b"me"), b"b": last}).num_peers == 1
+    # back with the same identity, at the swarm's epoch: its record is newer than the refusal
+    back = _entry(7, 0, peer=b"b")
+    back.value["time"] = ended[b] + 1.0
+    assert tracker._parse_swarm_progress_data({b"me": _entry(7, 8, peer=b"me"), b"b": back}).num_peers == 2
 
 
 def test_no_records_is_hiveminds_own_answer():

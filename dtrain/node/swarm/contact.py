@@ -10,7 +10,8 @@ swarm's and the swarm would download the bytes one node made alone.
 last heard from. Every REACH_EVERY_S a thread of its own dials each that has not announced itself for QUIET_AFTER_S
 at its addresses (nothing to do when connected) and pings it from the DHT; an answer puts each node back in the
 other's routing table, which heals the split. A swarm whose nodes announce themselves sends no ping.
-A node whose dial is refused has ended (its host answers, its port is closed) and is forgotten.
+A node whose dial is refused has ended (its host answers, its port is closed) and is forgotten; `ended` says since
+when, so that a round no longer counts it (node.swarm.tracker) while its last progress record lingers in the DHT.
 
 `isolated()`: this node remembers two or more peers and has heard from none of them for SILENT_AFTER_S. That many
 peers leaving at once is less likely than this node losing its network, so it makes no update alone
@@ -76,6 +77,7 @@ class Contact:
         """`announced`: peer id -> what it announced (node.swarm.presence.PeerInfo: `maddrs`, `time`)."""
         self._dht, self._peer_id, self._announced, self._clock = dht, peer_id, announced, clock
         self.known: dict[str, Known] = {}
+        self._ended: dict[str, float] = {}  # peer id -> DHT time its dial was last refused, for REMEMBER_S
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -98,6 +100,11 @@ class Contact:
         with self._lock:
             heard = [k.heard for k in self.known.values()]
         return len(heard) >= 2 and all(now - t > SILENT_AFTER_S for t in heard)
+
+    def ended(self) -> dict[str, float]:
+        """peer id -> DHT time this node found the peer's process ended (its dial refused), within REMEMBER_S."""
+        with self._lock:
+            return dict(self._ended)
 
     def _log_change(self) -> None:
         isolated = self.isolated()
@@ -135,6 +142,7 @@ class Contact:
         with self._lock:
             for peer in [p for p, k in self.known.items() if now - k.heard > REMEMBER_S]:
                 del self.known[peer]
+            self._ended = {peer: t for peer, t in self._ended.items() if now - t <= REMEMBER_S}
             targets = {peer: k.maddrs for peer, k in self.known.items() if now - k.heard > QUIET_AFTER_S}
         if not targets:
             return {}
@@ -156,6 +164,7 @@ class Contact:
                     self.known[peer].heard = now
                 elif outcome == REFUSED:
                     del self.known[peer]
+                    self._ended[peer] = now
         return outcomes
 
     def _run(self) -> None:

@@ -71,10 +71,11 @@ class SwarmOptimizer(hivemind.Optimizer):
                  settle_s: float, swarm_key: Optional[bytes] = None, failed_rounds_carried: int = 0,
                  others_present: Callable[[], bool] = lambda: False, round_due: Optional[Callable[[], bool]] = None,
                  announced: Callable[[], Mapping[str, PeerInfo]] = dict,
+                 ended: Callable[[], Mapping[str, float]] = dict,
                  isolated: Callable[[], bool] = lambda: False,
                  before_state_load: Optional[Callable[[], None]] = None, **kwargs):
         """`local_gradients`: this peer's exact gradient, applied when the swarm's average is unavailable;
-        `others_present`, `round_due`, `announced`: the tracker's (node.swarm.tracker.PacedTracker);
+        `others_present`, `round_due`, `announced`, `ended`: the tracker's (node.swarm.tracker.PacedTracker);
         `before_state_load`: called before every download of the state, which replaces the parameters (low-comm:
         the node sets the inner updates' parameters aside, node.lowcomm.rounds.InnerRounds.enter_outer).
         `failed_rounds_carried`: how many failed rounds in a row at one epoch make no update while other peers train
@@ -82,6 +83,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         reaches none of the peers it trained with (node.swarm.contact), and makes no update alone."""
         self._local_gradients = local_gradients
         self._others_present, self._round_due, self._announced = others_present, round_due, announced
+        self._ended = ended
         self._swarm_key = swarm_key  # a closed swarm: the state averager's RPCs answer only holders of the key
         self._update_bonus = update_bonus  # added to the epoch as this peer's state-sharing priority after an update
         self._settle_s = settle_s
@@ -162,7 +164,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         return PacedTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
                              client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=True,
                              settle_s=self._settle_s, others_present=self._others_present, round_due=self._round_due,
-                             announced=self._announced, on_swarm_epoch=self._swarm_at,
+                             announced=self._announced, ended=self._ended, on_swarm_epoch=self._swarm_at,
                              **kwargs)
 
     def _swarm_at(self, epoch: int) -> None:

@@ -72,12 +72,13 @@ class Swarm:
                  averaging: Averaging = Averaging(), round_clock: Optional[RoundClock] = None,
                  others_present: Callable[[], bool] = lambda: False, round_due: Optional[Callable[[], bool]] = None,
                  announced: Callable[[], Mapping[str, PeerInfo]] = dict,
+                 ended: Callable[[], Mapping[str, float]] = dict,
                  isolated: Callable[[], bool] = lambda: False,
                  before_state_load: Optional[Callable[[], None]] = None):
         """`averaging`: how the gradient rounds average (per-step mode's by default). `round_clock`: keeps the
         all-reduce deadline from each round's measured throughput (node.swarm.deadlines); None:
         `config.averaging_timeout_s` throughout. `local_gradients`, `others_present`, `round_due`,
-        `announced`, `isolated` and `before_state_load`: what the node tells its optimizer
+        `announced`, `ended`, `isolated` and `before_state_load`: what the node tells its optimizer
         (node.swarm.optimizer.SwarmOptimizer)."""
         self.config = config
         # a closed swarm: the key is read (or refused) before anything starts; the run's DHT keys are then named
@@ -131,6 +132,7 @@ class Swarm:
                 others_present=others_present,
                 round_due=round_due,
                 announced=announced,
+                ended=ended,
                 isolated=isolated,
                 before_state_load=before_state_load,
                 update_bonus=peer_bonus(self.peer_id),

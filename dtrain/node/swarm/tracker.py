@@ -35,6 +35,13 @@ class PacedTracker(ProgressTracker):
     identity it left with finds its old record at the swarm's epoch when the others made no update since it left
     (their rounds looked for it), and counted by it, it made their next round look for it through its download.
 
+    A peer whose process this node found ended (its dial refused, node.swarm.contact) after its progress record was
+    written counts by neither either. Its record stays in the DHT until it expires, at the swarm's epoch when it left
+    right after a round: in a swarm of two, the node left behind counted it for three rounds, each looking for it
+    until the averaging deadline (the first two carried: FAILED_ROUNDS_CARRIED), before it updated alone. Counted
+    out, the node's next round after the one that found the peer gone is an update alone. A node that comes back
+    with the same identity writes a newer record and counts again.
+
     A peer one epoch behind whose round is due (its record says so, below) counts too, unless it was missing from
     this peer's last round although counted for it. It is the one the others' last round went without: it came late to
     that round's group (with rounds of a second or two, three nodes left a different one out of each round, each one's
@@ -58,7 +65,8 @@ class PacedTracker(ProgressTracker):
 
     def __init__(self, *args, settle_s: float, others_present: Callable[[], bool] = lambda: False,
                  round_due: Optional[Callable[[], bool]] = None,
-                 announced: Callable[[], Mapping[str, PeerInfo]] = dict, between_rounds_s: float = 3.0,
+                 announced: Callable[[], Mapping[str, PeerInfo]] = dict,
+                 ended: Callable[[], Mapping[str, float]] = dict, between_rounds_s: float = 3.0,
                  on_swarm_epoch: Callable[[int], None] = lambda epoch: None, **kwargs):
         self.settle_s = settle_s
         self.between_rounds_s = between_rounds_s
@@ -69,6 +77,7 @@ class PacedTracker(ProgressTracker):
         # peer id -> when each node that announces a download of the state announced it
         self.announced_epochs = lambda: {peer: info.epoch for peer, info in announced().items()}
         self.downloading = lambda: {peer: info.time for peer, info in announced().items() if info.epoch < 0}
+        self.ended = ended  # peer id -> when this node found its process ended (node.swarm.contact.Contact.ended)
         # low-communication mode: the node's own rule (its round is due, or it is the single server) replaces the
         # target and the settle rule; then this peer's round begins once the swarm's samples stopped growing
         self.round_due = round_due
@@ -109,15 +118,15 @@ class PacedTracker(ProgressTracker):
     def _parse_swarm_progress_data(self, metadata) -> GlobalTrainingProgress:
         progress = super()._parse_swarm_progress_data(metadata)
         if isinstance(metadata, dict) and metadata:
-            announced, downloading = self.announced_epochs(), self.downloading()
+            announced, downloading, ended = self.announced_epochs(), self.downloading(), self.ended()
             others = [LocalTrainingProgress.parse_obj(v.value) for key, v in metadata.items()
                       if v.value is not None and key != self._local_public_key]
             epoch, (missing_at, missing) = progress.epoch, self._missing
             at_epoch, late = [], []  # the peers the round counts (the class docstring)
             for p in others:
                 name = _peer_name(p.peer_id)
-                if downloading.get(name, float("-inf")) >= p.time:
-                    continue  # its newest word: it downloads the state
+                if max(downloading.get(name, float("-inf")), ended.get(name, float("-inf"))) >= p.time:
+                    continue  # the newest word of it: it downloads the state, or its process ended
                 if p.epoch >= epoch or announced.get(name, -1) >= epoch:
                     at_epoch.append(p)
                 elif (p.epoch == epoch - 1 and p.samples_per_second == 0.0

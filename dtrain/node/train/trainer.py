@@ -301,6 +301,7 @@ class TrainingNode:
             round_clock=self.round_clock,
             others_present=lambda: self.presence is not None and not self.presence.alone(),
             announced=lambda: self.presence.nodes if self.presence is not None else {},
+            ended=lambda: self.contact.ended() if self.contact is not None else {},
             isolated=lambda: self.contact is not None and self.contact.isolated(),
             # low-comm: the loop's rule; whatever downloads sets the inner updates' parameters aside first
             round_due=(lambda: self.loop.round_due) if self.low_comm else None,
