@@ -1,12 +1,13 @@
 """Nobody waits for a downloading peer: real nodes in network namespaces, every link shaped with tbf.
 
-A founds a sparse low-communication swarm and trains; B joins over a shaped link and downloads the state while A goes
-on; B trains with A, is killed (SIGKILL) and comes back with the same identity while its progress record of before is
-still in the DHT (it lives a minute), downloading again. B's leaving may cost A the one round that looks for B's
-gradient (hivemind's "could not find a group"), no more. During each of B's downloads (from its log's "Downloading ...
-ranges of the state" to "Downloaded the state"), A's own log and polled status must show updates, and A must not have
-looked for a group that never formed (its round counting B as a member while B downloaded). B, back, must serve A's
-bytes and average a round with it.
+A founds a sparse low-communication swarm and trains; B joins over a shaped link and downloads the state while A
+goes on; B trains with A, is killed (SIGKILL) and comes back with the same identity while its progress record of
+before is still in the DHT (it lives a minute), downloading again. B's leaving may cost A the one round that looks
+for B's gradient (hivemind's "could not find a group"), no more: once A finds B's process ended (its dial refused),
+its next round no longer counts B's record and is an update alone. During each of B's downloads (from its log's
+"Downloading ... ranges of the state" to "Downloaded the state"), A's own log and polled status must show updates,
+and A must not have looked for a group that never formed (its round counting B as a member while B downloaded). B,
+back, must serve A's bytes and average a round with it.
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ STAMP = re.compile(r"^(\w{3} +\d+ \d\d:\d\d:\d\d\.\d{3}) ")
 BEGIN = re.compile(r"Downloading \d+ ranges of the state|Downloading the state from peer")
 END = re.compile(r"Downloaded the state (of epoch \d+ in ranges|from \S+) |The download from \S+ failed")
 UPDATE = re.compile(r"\] update (\d+): ")
-NO_GROUP = re.compile(r"Gradient averaging failed \(.*could not find a group")  # the node's line, one per round
+# the node's line, one per round: carried (no update) or, once it has carried its limit, an update alone
+NO_GROUP = re.compile(r"Gradient (round|averaging) failed \(.*could not find a group")
 TOGETHER = re.compile(r"\] update (\d+): .* 2 peers, ")  # an update of a round that averaged two peers
 ALONE = re.compile(r"\] update (\d+): .* 1 peers, ")  # an update of this node alone
 MIN_WINDOW_S = 10.0  # a download shorter than this says nothing about the founder's pace
