@@ -4,6 +4,7 @@ different epochs brought forward and assembled into the bits of the newest epoch
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -198,13 +199,14 @@ def test_a_donor_serves_one_epochs_momentum_in_place_and_answers_a_bad_request_w
     for c, sc in zip(codes, scales):
         momentum8.quantize_(torch.randn(c.numel(), generator=g), c, sc)
     version = [0]  # the outer optimizer's (OuterNesterov.version): odd while a step writes the momentum
-    donor = statefetch.RangeDonor(layout, version=lambda: version[0], hold_wait_s=0.5)
+    # in place only (no copy while joiners download: below)
+    donor = statefetch.RangeDonor(layout, version=lambda: version[0], hold_wait_s=0.5, serving_s=0.0)
 
-    async def answer(raw: bytes, meanwhile=None) -> bytes:
+    async def answer(raw: bytes, meanwhile=None, by=None) -> bytes:
         out = b""
         if meanwhile is not None:
             asyncio.get_running_loop().call_later(0.1, meanwhile)
-        async for message in donor.serve(wrappers_pb2.BytesValue(value=raw), SimpleNamespace(remote_id="a peer")):
+        async for message in (by or donor).serve(wrappers_pb2.BytesValue(value=raw), SimpleNamespace(remote_id="a peer")):
             out += message.value
         return out
 
@@ -226,6 +228,26 @@ def test_a_donor_serves_one_epochs_momentum_in_place_and_answers_a_bad_request_w
     # a request that arrives before the next snapshot is published is answered with that epoch's range
     piece = layout.decode_piece(asyncio.run(answer(request, lambda: donor.hold(2, params, codes, scales))), r, 2, 2)
     assert piece.epoch == 2 and piece.scales[0] == scales[0][-1].item() != 0
+
+    # a donor asked for ranges in the last serving_s copies each epoch's momentum as it is published: its answers go
+    # on through the outer step after it, with that epoch's bytes, not the step's
+    copying = statefetch.RangeDonor(layout, version=lambda: version[0], hold_wait_s=0.5, serving_s=1.0)
+    copying.hold(3, params, codes, scales)  # nobody asked yet: in place
+    version[0] += 2
+    assert asyncio.run(answer(request, by=copying)) == b""
+    copying.hold(4, params, codes, scales)  # asked a moment ago: copied
+    before = (codes[0][-1].item(), scales[0][-1].item())
+    version[0] += 1  # an outer step under way...
+    codes[0].neg_()
+    scales[0].mul_(3.0)
+    piece = layout.decode_piece(asyncio.run(answer(request, by=copying)), r, 4, 4)
+    assert piece.epoch == 4 and (int(piece.codes[111]), float(piece.scales[0])) == before
+    assert (codes[0][-1].item(), scales[0][-1].item()) != before  # ...which moved the optimizer's own tensors
+    version[0] += 1
+    time.sleep(1.0)  # nobody asked since: the next epoch is read in place again
+    copying.hold(5, params, codes, scales)
+    version[0] += 2
+    assert asyncio.run(answer(request, by=copying)) == b""
 
     total = sum(sizes)
     for bad in (ranges.encode_request(ranges.Range(total - 5, 10)), ranges.encode_request(ranges.Range(1, 255)),

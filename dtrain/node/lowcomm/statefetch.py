@@ -7,7 +7,11 @@ momentum of the same epoch (its 8-bit codes and scales: node.lowcomm.momentum), 
 tensors, with no copy of them. The outer optimizer's version (lowcomm.outer.OuterNesterov.version) says when the
 momentum is still that epoch's: a range copied between two reads of the same even version, the one of the
 snapshot's publication, is one epoch's bytes. Once the next outer step (or a download) has moved it, an answer waits
-for the next published snapshot and serves that epoch's range.
+for the next published snapshot and serves that epoch's range. While joiners download (a range was asked for in the
+last SERVING_S), each published epoch's momentum is copied at its publication (1.02 bytes per parameter, given back
+when they stop), and answers go on through the next outer step: the donors of a swarm are in one round, so
+otherwise every one of them answered nothing from its outer step until its next publication, seconds of every round
+(3-5 s of the default model's 12-15 s rounds on two cores), and a joiner's link stood idle for that long each time.
 
 Joiner: `SpreadDownload` asks up to N peers that serve the swarm's epoch for different ranges at once (IN_FLIGHT
 requests each); a donor that fails, answers wrong or takes longer than RANGE_TIMEOUT_S for a range is dropped and its
@@ -44,6 +48,7 @@ logger = get_logger(__name__)
 RANGE_HANDLER = "dtrain.lowcomm.state_range"
 CHUNK_BYTES = 1 << 18  # one message of an answer's stream
 IN_FLIGHT = 3  # requests a joiner keeps open with each donor: a home link's round trip stays hidden
+SERVING_S = 60.0  # a donor that answered a range this recently copies each epoch's momentum (module docstring)
 RANGE_TIMEOUT_S = 30.0  # one range (512 KiB) at well under 1 Mbit/s: a donor slower than that loses its ranges
 HOLD_WAIT_S = 10.0  # a donor's answer waits this long for the next epoch's snapshot once the momentum moved on
 HOLD_POLL_S = 0.1
@@ -77,6 +82,7 @@ class Held(NamedTuple):
     codes: tuple[np.ndarray, ...]  # per tensor, flat int8: views of the outer optimizer's live momentum codes
     scales: tuple[np.ndarray, ...]  # per tensor, float32: views of their live scales
     version: int  # the outer optimizer's version while the momentum is this epoch's
+    copied: bool = False  # codes and scales are copies: this epoch's whatever the version says now
 
 
 def _joined(parts: list[np.ndarray]) -> np.ndarray:
@@ -88,15 +94,18 @@ class RangeDonor:
     after every published snapshot, the answers on the node service's loop."""
 
     def __init__(self, layout: ranges.StateLayout, service=None, serve_mbit: float = 0.0,
-                 version: Callable[[], int] = lambda: 0, hold_wait_s: float = HOLD_WAIT_S):
+                 version: Callable[[], int] = lambda: 0, hold_wait_s: float = HOLD_WAIT_S,
+                 serving_s: float = SERVING_S):
         """`layout`: the model's tensors. `service`: the node's node.swarm.service.NodeService, which then serves
         `serve` as RANGE_HANDLER (gated by the swarm key). `serve_mbit`: the bound on the bytes it streams, all
         requests together (0: none). `version`: the outer optimizer's version (OuterNesterov.version), even while
-        nothing writes its momentum."""
+        nothing writes its momentum. `serving_s`: for this long after a range was asked for, each epoch's momentum is
+        copied as it is published (0: never)."""
         self._layout = layout
         self._pace = UploadPace(serve_mbit)
-        self._version, self._hold_wait_s = version, hold_wait_s
+        self._version, self._hold_wait_s, self._serving_s = version, hold_wait_s, serving_s
         self._held: Optional[Held] = None  # replaced whole, never changed
+        self._asked_at = float("-inf")  # when a range was last asked for (monotonic)
         self.answered = 0  # ranges served
         if service is not None:
             service.add_handler(RANGE_HANDLER, self.serve, wrappers_pb2.BytesValue, stream_output=True)
@@ -104,7 +113,7 @@ class RangeDonor:
     def hold(self, epoch: int, params: Sequence[np.ndarray], codes: Sequence[torch.Tensor],
              scales: Sequence[torch.Tensor]) -> None:
         """Serve epoch `epoch`: `params` are its snapshot's arrays, `codes` and `scales` the outer optimizer's
-        momentum tensors, which hold this epoch's momentum now (they are read in place, never copied)."""
+        momentum tensors, which hold this epoch's momentum now (read in place; copied while joiners download)."""
         flat_codes = tuple(c.detach().reshape(-1).numpy() for c in codes)
         flat_scales = tuple(s.detach().reshape(-1).numpy() for s in scales)
         sizes = list(self._layout.sizes)
@@ -113,17 +122,24 @@ class RangeDonor:
             raise ValueError(f"a state of {sum(len(a) for a in params)} parameters and "
                              f"{sum(len(c) for c in flat_codes)} momentum codes, not this model's "
                              f"{self._layout.total} in its tensors")
-        self._held = Held(epoch, tuple(params), flat_codes, flat_scales, self._version())
+        version = self._version()
+        if time.monotonic() - self._asked_at < self._serving_s and version % 2 == 0:
+            copies = (tuple(c.copy() for c in flat_codes), tuple(s.copy() for s in flat_scales))
+            if self._version() == version:  # nothing wrote the momentum meanwhile: one epoch's bytes
+                self._held = Held(epoch, tuple(params), *copies, version, copied=True)
+                return
+            version = self._version()
+        self._held = Held(epoch, tuple(params), flat_codes, flat_scales, version)
 
     def piece(self, r: ranges.Range) -> Optional[ranges.Piece]:
         """Range `r` of the epoch held, while the momentum is still that epoch's; else None."""
         held = self._held
-        if held is None or held.version % 2 or self._version() != held.version:
+        if held is None or not held.copied and (held.version % 2 or self._version() != held.version):
             return None
         parts = self._layout.parts(r)
         codes = _joined([held.codes[t][lo:hi] for t, lo, hi in parts]).copy()
         scales = _joined([held.scales[part.tensor][part.first_scale:part.end_scale] for part in parts]).copy()
-        if self._version() != held.version:  # an outer step began while it was copied
+        if not held.copied and self._version() != held.version:  # an outer step began while it was copied
             return None
         return ranges.Piece(held.epoch, _joined([held.params[t][lo:hi] for t, lo, hi in parts]), codes, scales)
 
@@ -134,6 +150,7 @@ class RangeDonor:
         except ranges.BadRange as e:
             logger.debug(f"Refused a range request from {context.remote_id}: {e}")
             return
+        self._asked_at = time.monotonic()
         deadline = time.monotonic() + self._hold_wait_s
         while (piece := self.piece(r)) is None:  # nothing held yet, or the momentum moved: the next epoch's snapshot
             if time.monotonic() >= deadline:
