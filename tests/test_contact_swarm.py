@@ -1,5 +1,6 @@
 """Reaching the peers a node trained with (node.swarm.contact), between real DHT peers on 127.0.0.1: a ping puts a
-peer that knew nobody back in the routing table, and a peer whose process ended is refused and forgotten."""
+peer that knew nobody back in the routing table, and a peer whose process ended is refused and forgotten, at once
+after a failed round (`reach_now`) however lately it announced itself."""
 from __future__ import annotations
 
 import time
@@ -44,14 +45,19 @@ def test_a_ping_puts_a_peer_back_in_the_routing_table_and_an_ended_peer_is_forgo
         assert not contact.isolated()
 
         gone = str(c.peer_id)
+        last_word = announced(c, get_dht_time())
         c.shutdown()  # its p2pd ends: the port is closed, a dial is refused (once libp2p's dial backoff allows one)
-        contact._announced = lambda: {}  # nobody announces: both are pinged
+        # its announcement is still fresh (a record outlives its process): the thread's pings wait until it is quiet,
+        # a failed round's reach_now pings at once
+        contact._announced = lambda: {str(b.peer_id): announced(b, get_dht_time()), gone: last_word}
+        assert contact.reach_all() == {}
         outcomes = []
         deadline = time.monotonic() + 60
         while gone in contact.known and time.monotonic() < deadline:
-            outcomes.append(contact.reach_all().get(gone))
+            outcomes.append(contact.reach_now().get(gone))
             time.sleep(1.0)
         assert gone not in contact.known and outcomes[-1] == REFUSED, outcomes
+        assert contact.ended()[gone] - last_word.time < QUIET_AFTER_S  # before the thread's own ping would have come
         assert str(b.peer_id) in contact.known
         assert list(contact.ended()) == [gone] and 0 <= get_dht_time() - contact.ended()[gone] < 5
     finally:

@@ -78,6 +78,7 @@ class Contact:
         self._dht, self._peer_id, self._announced, self._clock = dht, peer_id, announced, clock
         self.known: dict[str, Known] = {}
         self._ended: dict[str, float] = {}  # peer id -> DHT time its dial was last refused, for REMEMBER_S
+        self._reached_now_at = float("-inf")  # the last `reach_now` (monotonic)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -133,25 +134,36 @@ class Contact:
                     known.maddrs = maddrs or known.maddrs
                     known.heard = max(known.heard, announced_at)
 
-    def reach_all(self) -> dict[str, str]:
-        """Pings once (concurrently, in the DHT's process) every remembered peer not heard from for QUIET_AFTER_S: one
-        that announces itself needs no ping. Forgets those refused and those not heard from for REMEMBER_S. Returns
-        peer id -> ANSWERED, REFUSED or SILENT."""
+    def reach_now(self) -> dict[str, str]:
+        """`reach_all` for every remembered peer, however lately it announced itself, at most once per REACH_EVERY_S;
+        waits for the answers (at most 3 x DIAL_TIMEOUT_S). For a node whose round just failed: a peer that was in
+        it and whose process has ended is known so (`ended`) before its next round counts that peer's lingering
+        record again, where the thread's own pings come only once the peer has been quiet for QUIET_AFTER_S."""
+        with self._lock:
+            if time.monotonic() - self._reached_now_at < REACH_EVERY_S:
+                return {}
+            self._reached_now_at = time.monotonic()
+        return self.reach_all(quiet_after_s=0.0)
+
+    def reach_all(self, quiet_after_s: float = QUIET_AFTER_S) -> dict[str, str]:
+        """Pings once (concurrently, in the DHT's process) every remembered peer not heard from for `quiet_after_s`:
+        one that announces itself needs no ping. Forgets those refused and those not heard from for REMEMBER_S.
+        Returns peer id -> ANSWERED, REFUSED or SILENT."""
         self.note_announcements()
         now = self._clock()
         with self._lock:
             for peer in [p for p, k in self.known.items() if now - k.heard > REMEMBER_S]:
                 del self.known[peer]
             self._ended = {peer: t for peer, t in self._ended.items() if now - t <= REMEMBER_S}
-            targets = {peer: k.maddrs for peer, k in self.known.items() if now - k.heard > QUIET_AFTER_S}
+            targets = {peer: k.maddrs for peer, k in self.known.items() if now - k.heard > quiet_after_s}
         if not targets:
             return {}
         futures = {peer: self._dht.run_coroutine(partial(reach, peer, maddrs), return_future=True)
                    for peer, maddrs in targets.items()}
-        outcomes = {}
+        outcomes, deadline = {}, time.monotonic() + DIAL_TIMEOUT_S * 3
         for peer, future in futures.items():
             try:
-                outcomes[peer] = future.result(timeout=DIAL_TIMEOUT_S * 3)
+                outcomes[peer] = future.result(timeout=max(0.0, deadline - time.monotonic()))
             except Exception as e:
                 logger.debug(f"Reaching {peer} failed: {e!r}")
                 outcomes[peer] = SILENT

@@ -72,7 +72,7 @@ class SwarmOptimizer(hivemind.Optimizer):
                  others_present: Callable[[], bool] = lambda: False, round_due: Optional[Callable[[], bool]] = None,
                  announced: Callable[[], Mapping[str, PeerInfo]] = dict,
                  ended: Callable[[], Mapping[str, float]] = dict,
-                 isolated: Callable[[], bool] = lambda: False,
+                 isolated: Callable[[], bool] = lambda: False, after_failed_round: Callable[[], None] = lambda: None,
                  before_state_load: Optional[Callable[[], None]] = None, **kwargs):
         """`local_gradients`: this peer's exact gradient, applied when the swarm's average is unavailable;
         `others_present`, `round_due`, `announced`, `ended`: the tracker's (node.swarm.tracker.PacedTracker);
@@ -80,7 +80,9 @@ class SwarmOptimizer(hivemind.Optimizer):
         the node sets the inner updates' parameters aside, node.lowcomm.rounds.InnerRounds.enter_outer).
         `failed_rounds_carried`: how many failed rounds in a row at one epoch make no update while other peers train
         (`_no_round_alone`); 0: every failed round is an update on this peer's own gradient. `isolated`: this peer
-        reaches none of the peers it trained with (node.swarm.contact), and makes no update alone."""
+        reaches none of the peers it trained with (node.swarm.contact), and makes no update alone.
+        `after_failed_round`: called after a round that gave no update, before the swarm's progress is read again
+        (the node pings its peers then: node.swarm.contact.Contact.reach_now)."""
         self._local_gradients = local_gradients
         self._others_present, self._round_due, self._announced = others_present, round_due, announced
         self._ended = ended
@@ -92,7 +94,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._round_clean = False
         self.skipped_rounds = 0  # rounds that failed with no gradient this peer could apply alone: no update
         self._failed_rounds_carried = failed_rounds_carried
-        self._isolated = isolated
+        self._isolated, self._after_failed_round = isolated, after_failed_round
         self._failed_in_a_row = (-1, 0)  # (epoch, rounds of that epoch that failed so far)
         self.arrived_in: Optional[int] = None  # the epoch this peer arrived in late (node.train.follow.arrive_late)
         self._round_samples = 0  # samples this peer brought to the round being run
@@ -379,6 +381,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             super()._update_global_epoch(grad_scaler)
         except NoSwarmRound as e:
             self.skipped_rounds += 1
+            self._after_failed_round()
             if isinstance(self.tracker, PacedTracker):
                 self.tracker.read_before_next_round()
             if time.monotonic() >= self._next_skip_log:  # a client-mode peer left alone retries every poll

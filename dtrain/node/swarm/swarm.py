@@ -73,13 +73,13 @@ class Swarm:
                  others_present: Callable[[], bool] = lambda: False, round_due: Optional[Callable[[], bool]] = None,
                  announced: Callable[[], Mapping[str, PeerInfo]] = dict,
                  ended: Callable[[], Mapping[str, float]] = dict,
-                 isolated: Callable[[], bool] = lambda: False,
+                 isolated: Callable[[], bool] = lambda: False, after_failed_round: Callable[[], None] = lambda: None,
                  before_state_load: Optional[Callable[[], None]] = None):
         """`averaging`: how the gradient rounds average (per-step mode's by default). `round_clock`: keeps the
         all-reduce deadline from each round's measured throughput (node.swarm.deadlines); None:
         `config.averaging_timeout_s` throughout. `local_gradients`, `others_present`, `round_due`,
-        `announced`, `ended`, `isolated` and `before_state_load`: what the node tells its optimizer
-        (node.swarm.optimizer.SwarmOptimizer)."""
+        `announced`, `ended`, `isolated`, `after_failed_round` and `before_state_load`: what the node tells its
+        optimizer (node.swarm.optimizer.SwarmOptimizer)."""
         self.config = config
         # a closed swarm: the key is read (or refused) before anything starts; the run's DHT keys are then named
         # with it, and every DHT request and response carries its HMAC (node.swarm.swarmkey)
@@ -134,6 +134,7 @@ class Swarm:
                 announced=announced,
                 ended=ended,
                 isolated=isolated,
+                after_failed_round=after_failed_round,
                 before_state_load=before_state_load,
                 update_bonus=peer_bonus(self.peer_id),
                 failed_rounds_carried=averaging.failed_rounds_carried,

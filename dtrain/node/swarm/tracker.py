@@ -176,9 +176,9 @@ class PacedTracker(ProgressTracker):
         self._missing = (epoch, self._counted.get(epoch, frozenset()) - set(group))
 
     def read_before_next_round(self) -> None:
-        """This peer's round gave it no update, or it loaded a later epoch's state itself. The swarm may have moved on meanwhile (a peer's update alone, the
-        others' round without it), which its last read of the swarm's progress, from before the round, does not
-        show: begun on that read, its next round would look, for the whole matchmaking deadline, for a group at an
+        """This peer's round gave it no update, or it loaded a later epoch's state itself. The swarm may have moved
+        on meanwhile (a peer's update alone, the others' round without it), which its last read of the swarm's
+        progress, from before the round, does not show: begun on that read, its next round would look, for the whole matchmaking deadline, for a group at an
         epoch nobody is at. So no round of this peer begins before the swarm's progress was read again (now; for
         at most READ_WAIT_S), by a read that began after this call: one already on its way (it holds the progress
         lock) may carry what the swarm looked like before.

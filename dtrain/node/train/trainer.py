@@ -303,6 +303,7 @@ class TrainingNode:
             announced=lambda: self.presence.nodes if self.presence is not None else {},
             ended=lambda: self.contact.ended() if self.contact is not None else {},
             isolated=lambda: self.contact is not None and self.contact.isolated(),
+            after_failed_round=lambda: self.contact is not None and self.contact.reach_now(),
             # low-comm: the loop's rule; whatever downloads sets the inner updates' parameters aside first
             round_due=(lambda: self.loop.round_due) if self.low_comm else None,
             before_state_load=(lambda: self.rounds is not None and self.rounds.enter_outer()) if self.low_comm else None)
