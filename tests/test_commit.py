@@ -178,10 +178,21 @@ def test_a_complete_round_is_applied_by_every_member_as_the_average_of_all(commi
         assert values == [2.0], f"member {i} was handed {values}, not the average over all three (2.0)"
 
 
+def a_complete_round_follows(committing) -> None:
+    """The group goes on after a round it aborted: a later round is complete again on every member. Under load (the
+    other xdist worker's swarm) a part may outlast OPTS' next_chunk_timeout, kept short for the freeze above ("96.7%
+    results" in hivemind's log); that round must then be aborted everywhere, and the next is tried."""
+    for _ in range(FLAW_TRIES):
+        outcomes = run_round(committing)
+        assert_all_or_nothing(outcomes)
+        if all(applied(result) for result, _ in outcomes):
+            return
+    pytest.fail(f"no complete round in {FLAW_TRIES} tries after an aborted one: {[r for r, _ in outcomes]}")
+
+
 def test_a_member_frozen_mid_round_aborts_the_round_on_every_member(committing):
     assert_aborted_everywhere(run_round(committing, freeze=True, until_the_others_end=True))
-    # and the group goes on: the next round is complete again
-    test_a_complete_round_is_applied_by_every_member_as_the_average_of_all(committing)
+    a_complete_round_follows(committing)
 
 
 def test_a_round_whose_members_brought_no_samples_is_aborted_on_every_member(committing):
@@ -197,7 +208,7 @@ def test_a_round_whose_members_brought_no_samples_is_aborted_on_every_member(com
             break
     else:
         pytest.fail(f"the three never formed one round in {FLAW_TRIES} tries: {results}")
-    test_a_complete_round_is_applied_by_every_member_as_the_average_of_all(committing)
+    a_complete_round_follows(committing)
 
 
 def test_a_member_slow_within_the_commit_window_does_not_abort_the_round(committing):
