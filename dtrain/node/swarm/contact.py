@@ -135,27 +135,32 @@ class Contact:
                     known.heard = max(known.heard, announced_at)
 
     def reach_now(self) -> dict[str, str]:
-        """`reach_all` for every remembered peer, however lately it announced itself, at most once per REACH_EVERY_S;
-        waits for the answers (at most 3 x DIAL_TIMEOUT_S). For a node whose round just failed: a peer that was in
-        it and whose process has ended is known so (`ended`) before its next round counts that peer's lingering
-        record again, where the thread's own pings come only once the peer has been quiet for QUIET_AFTER_S."""
+        """Pings every remembered peer heard from in the last QUIET_AFTER_S, the ones `reach_all` leaves alone, at most
+        once per REACH_EVERY_S, and waits for the answers (at most 3 x DIAL_TIMEOUT_S). For a node whose round just
+        failed: a peer that was in it and whose process has ended is known so (`ended`) before the node's next round
+        counts that peer's lingering record again. Peers quiet for longer are the thread's to ping: an isolated node,
+        whose rounds all fail, waits for no dial here."""
         with self._lock:
             if time.monotonic() - self._reached_now_at < REACH_EVERY_S:
                 return {}
             self._reached_now_at = time.monotonic()
-        return self.reach_all(quiet_after_s=0.0)
+        return self._reach(lambda quiet_s: quiet_s <= QUIET_AFTER_S)
 
-    def reach_all(self, quiet_after_s: float = QUIET_AFTER_S) -> dict[str, str]:
-        """Pings once (concurrently, in the DHT's process) every remembered peer not heard from for `quiet_after_s`:
-        one that announces itself needs no ping. Forgets those refused and those not heard from for REMEMBER_S.
-        Returns peer id -> ANSWERED, REFUSED or SILENT."""
+    def reach_all(self) -> dict[str, str]:
+        """Pings once (concurrently, in the DHT's process) every remembered peer not heard from for QUIET_AFTER_S: one
+        that announces itself needs no ping. Forgets those refused and those not heard from for REMEMBER_S. Returns
+        peer id -> ANSWERED, REFUSED or SILENT."""
+        return self._reach(lambda quiet_s: quiet_s > QUIET_AFTER_S)
+
+    def _reach(self, select: Callable[[float], bool]) -> dict[str, str]:
+        """`reach_all` for the peers `select` picks by how long they have been quiet."""
         self.note_announcements()
         now = self._clock()
         with self._lock:
             for peer in [p for p, k in self.known.items() if now - k.heard > REMEMBER_S]:
                 del self.known[peer]
             self._ended = {peer: t for peer, t in self._ended.items() if now - t <= REMEMBER_S}
-            targets = {peer: k.maddrs for peer, k in self.known.items() if now - k.heard > quiet_after_s}
+            targets = {peer: k.maddrs for peer, k in self.known.items() if select(now - k.heard)}
         if not targets:
             return {}
         futures = {peer: self._dht.run_coroutine(partial(reach, peer, maddrs), return_future=True)
