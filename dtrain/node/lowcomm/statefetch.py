@@ -134,14 +134,18 @@ class RangeDonor:
     def piece(self, r: ranges.Range) -> Optional[ranges.Piece]:
         """Range `r` of the epoch held, while the momentum is still that epoch's; else None."""
         held = self._held
-        if held is None or not held.copied and (held.version % 2 or self._version() != held.version):
+        if held is None or not self._settled(held):
             return None
         parts = self._layout.parts(r)
         codes = _joined([held.codes[t][lo:hi] for t, lo, hi in parts]).copy()
         scales = _joined([held.scales[part.tensor][part.first_scale:part.end_scale] for part in parts]).copy()
-        if not held.copied and self._version() != held.version:  # an outer step began while it was copied
+        if not self._settled(held):  # an outer step began while it was copied
             return None
         return ranges.Piece(held.epoch, _joined([held.params[t][lo:hi] for t, lo, hi in parts]), codes, scales)
+
+    def _settled(self, held: Held) -> bool:
+        """`held`'s codes and scales are its epoch's: copies, or the live tensors while no step has moved them."""
+        return held.copied or (held.version % 2 == 0 and self._version() == held.version)
 
     async def serve(self, request: wrappers_pb2.BytesValue,
                      context: P2PContext) -> AsyncIterator[wrappers_pb2.BytesValue]:

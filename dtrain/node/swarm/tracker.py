@@ -176,16 +176,14 @@ class PacedTracker(ProgressTracker):
         self._missing = (epoch, self._counted.get(epoch, frozenset()) - set(group))
 
     def read_before_next_round(self) -> None:
-        """This peer's round gave it no update, or it loaded a later epoch's state itself. The swarm may have moved
-        on meanwhile (a peer's update alone, the others' round without it), which its last read of the swarm's
-        progress, from before the round, does not show: begun on that read, its next round would look, for the whole matchmaking deadline, for a group at an
-        epoch nobody is at. So no round of this peer begins before the swarm's progress was read again (now; for
-        at most READ_WAIT_S), by a read that began after this call: one already on its way (it holds the progress
-        lock) may carry what the swarm looked like before.
-
-        The same holds after the node brought its state to a later epoch itself (a download, a replay): its last read
-        counted the swarm as a peer behind sees it, and a peer still catching up to that epoch was left out. Led on
-        that read, its round closed with whoever was at the epoch then and left the other one behind the swarm."""
+        """This peer's round gave it no update, or it brought its state to a later epoch itself (a download, a
+        replay). Its last read of the swarm's progress is from before: the swarm may have moved on meanwhile (a
+        peer's update alone, the others' round without it), and after a replay a peer still catching up to the new
+        epoch was left out of the count. Begun on that read, its next round looked, for the whole matchmaking
+        deadline, for a group at an epoch nobody is at, or closed without that peer and left it behind the swarm.
+        So no round of this peer begins before the swarm's progress was read again (now; for at most
+        READ_WAIT_S), by a read that began after this call: one already on its way (it holds the progress lock)
+        may carry what the swarm looked like before."""
         in_flight = self.lock_global_progress.locked()
         self._read_wait = (self._reads + 1 + in_flight, time.monotonic() + READ_WAIT_S)
         self.global_progress.next_fetch_time = get_dht_time()
