@@ -60,6 +60,8 @@ def test_a_ping_puts_a_peer_back_in_the_routing_table_and_an_ended_peer_is_forgo
         assert contact.ended()[gone] - last_word.time < QUIET_AFTER_S  # before the thread's own ping would have come
         assert str(b.peer_id) in contact.known
         assert list(contact.ended()) == [gone] and 0 <= get_dht_time() - contact.ended()[gone] < 5
+        assert not contact.isolated()
+        assert gone not in contact.known  # its announcement, read again, does not bring it back
         # a peer quiet for longer is the thread's to ping: a failed round's reach_now waits for no dial of it (an
         # isolated node's rounds all fail, and its training thread would wait on dials that time out)
         contact._announced = lambda: {str(b.peer_id): announced(b, quiet)}

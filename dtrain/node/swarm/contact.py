@@ -10,8 +10,9 @@ swarm's and the swarm would download the bytes one node made alone.
 last heard from. Every REACH_EVERY_S a thread of its own dials each that has not announced itself for QUIET_AFTER_S
 at its addresses (nothing to do when connected) and pings it from the DHT; an answer puts each node back in the
 other's routing table, which heals the split. A swarm whose nodes announce themselves sends no ping.
-A node whose dial is refused has ended (its host answers, its port is closed) and is forgotten; `ended` says since
-when, so that a round no longer counts it (node.swarm.tracker) while its last progress record lingers in the DHT.
+A node whose dial is refused has ended (its host answers, its port is closed) and is forgotten until it announces
+itself again; `ended` says since when, so that a round no longer counts it (node.swarm.tracker) while its last
+progress record and announcement linger in the DHT.
 
 `isolated()`: this node remembers two or more peers and has heard from none of them for SILENT_AFTER_S. That many
 peers leaving at once is less likely than this node losing its network, so it makes no update alone
@@ -121,12 +122,15 @@ class Contact:
                                f"its own")
 
     def note_announcements(self) -> None:
-        """Remembers every other node the presence records show, as heard when it announced itself."""
+        """Remembers every other node the presence records show, as heard when it announced itself, but for one
+        whose process it found ended since (its announcement outlives it: pinged again, it was refused again)."""
         for peer, info in dict(self._announced()).items():
             if peer == self._peer_id:
                 continue
             maddrs, announced_at = dialable(info.maddrs), float(info.time)
             with self._lock:
+                if self._ended.get(peer, float("-inf")) >= announced_at:
+                    continue
                 known = self.known.get(peer)
                 if known is None:
                     self.known[peer] = Known(maddrs, announced_at)
