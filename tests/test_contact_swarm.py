@@ -10,6 +10,7 @@ from hivemind.utils import get_dht_time
 import pytest
 
 from dtrain.node.swarm.contact import ANSWERED, QUIET_AFTER_S, REACH_EVERY_S, REFUSED, Contact
+from dtrain.node.swarm.others import Others
 from dtrain.node.swarm.presence import PeerInfo
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
@@ -60,7 +61,9 @@ def test_a_ping_puts_a_peer_back_in_the_routing_table_and_an_ended_peer_is_forgo
         assert contact.ended()[gone] - last_word.time < QUIET_AFTER_S  # before the thread's own ping would have come
         assert str(b.peer_id) in contact.known
         assert list(contact.ended()) == [gone] and 0 <= get_dht_time() - contact.ended()[gone] < 5
-        assert not contact.isolated()
+        others = Others()  # as the node's optimizer and tracker read it
+        others.contact = contact
+        assert others.ended() == contact.ended() and not others.isolated()
         assert gone not in contact.known  # its announcement, read again, does not bring it back
         # a peer quiet for longer is the thread's to ping: a failed round's reach_now waits for no dial of it (an
         # isolated node's rounds all fail, and its training thread would wait on dials that time out)

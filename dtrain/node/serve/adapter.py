@@ -35,6 +35,7 @@ from dtrain.node.serve.capture import CaptureStore, Record
 from dtrain.node.serve.config import ServeConfig, check_adapter_name
 from dtrain.node.serve.feedback import mean_gradient, record_loss, run_rounds
 from dtrain.node.split.experts import ExpertRegistry, LoraExpert
+from dtrain.node.swarm.others import AlwaysPresent
 from dtrain.node.swarm.tracker import PacedTracker
 
 logger = get_logger(__name__)
@@ -105,7 +106,7 @@ class AdapterOptimizer(hivemind.Optimizer):
         # that saw one peer and skipped the all-reduce. A lone node updates by the settle rule.
         tracker = PacedTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
                                client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=True,
-                               settle_s=self._settle_s, others_present=lambda: True, **kwargs)
+                               settle_s=self._settle_s, others=AlwaysPresent(), **kwargs)
         return tracker
 
     def join_round(self) -> bool:

@@ -14,7 +14,7 @@ import hashlib
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import hivemind
 import torch
@@ -26,7 +26,7 @@ from hivemind.utils.logging import get_logger
 from dtrain.node.swarm.commit import AbortedRound, chunk_timeout
 from dtrain.node.swarm.deadlines import Deadline, Retimable, RoundClock
 from dtrain.node.swarm.groupsize import BehindTheSwarm, ExpectedGroup, SameEpochGroup
-from dtrain.node.swarm.presence import PeerInfo
+from dtrain.node.swarm.others import Others
 from dtrain.node.swarm.state import SwarmStateAverager
 from dtrain.node.swarm.tracker import PacedTracker
 
@@ -69,23 +69,20 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     def __init__(self, *, local_gradients: Callable[[], Sequence[torch.Tensor]], update_bonus: float,
                  settle_s: float, swarm_key: Optional[bytes] = None, failed_rounds_carried: int = 0,
-                 others_present: Callable[[], bool] = lambda: False, round_due: Optional[Callable[[], bool]] = None,
-                 announced: Callable[[], Mapping[str, PeerInfo]] = dict,
-                 ended: Callable[[], Mapping[str, float]] = dict,
-                 isolated: Callable[[], bool] = lambda: False, after_failed_round: Callable[[], None] = lambda: None,
+                 others: Optional[Others] = None, round_due: Optional[Callable[[], bool]] = None,
                  before_state_load: Optional[Callable[[], None]] = None, **kwargs):
         """`local_gradients`: this peer's exact gradient, applied when the swarm's average is unavailable;
-        `others_present`, `round_due`, `announced`, `ended`: the tracker's (node.swarm.tracker.PacedTracker);
-        `before_state_load`: called before every download of the state, which replaces the parameters (low-comm:
-        the node sets the inner updates' parameters aside, node.lowcomm.rounds.InnerRounds.enter_outer).
+        `others`: what the node knows of the other peers (node.swarm.others; None: no one), read by the tracker
+        (node.swarm.tracker.PacedTracker, with `round_due`) and here: a peer `isolated` from the peers it trained
+        with makes no update alone, and after a round that gave no update, before the swarm's progress is read
+        again, the node pings its peers (`reach_now`). `before_state_load`: called before every download of the
+        state, which replaces the parameters (low-comm: the node sets the inner updates' parameters aside,
+        node.lowcomm.rounds.InnerRounds.enter_outer).
         `failed_rounds_carried`: how many failed rounds in a row at one epoch make no update while other peers train
-        (`_no_round_alone`); 0: every failed round is an update on this peer's own gradient. `isolated`: this peer
-        reaches none of the peers it trained with (node.swarm.contact), and makes no update alone.
-        `after_failed_round`: called after a round that gave no update, before the swarm's progress is read again
-        (the node pings its peers then: node.swarm.contact.Contact.reach_now)."""
+        (`_no_round_alone`); 0: every failed round is an update on this peer's own gradient."""
         self._local_gradients = local_gradients
-        self._others_present, self._round_due, self._announced = others_present, round_due, announced
-        self._ended = ended
+        self._others = others if others is not None else Others()
+        self._round_due = round_due
         self._swarm_key = swarm_key  # a closed swarm: the state averager's RPCs answer only holders of the key
         self._update_bonus = update_bonus  # added to the epoch as this peer's state-sharing priority after an update
         self._settle_s = settle_s
@@ -94,7 +91,6 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._round_clean = False
         self.skipped_rounds = 0  # rounds that failed with no gradient this peer could apply alone: no update
         self._failed_rounds_carried = failed_rounds_carried
-        self._isolated, self._after_failed_round = isolated, after_failed_round
         self._failed_in_a_row = (-1, 0)  # (epoch, rounds of that epoch that failed so far)
         self.arrived_in: Optional[int] = None  # the epoch this peer arrived in late (node.train.follow.arrive_late)
         self._round_samples = 0  # samples this peer brought to the round being run
@@ -150,7 +146,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         elif others and carry and failed <= self._failed_rounds_carried:
             why = (f" alone while others train; its gradient waits for the swarm's next round ({failed} of at most "
                    f"{self._failed_rounds_carried} failed rounds in a row)")
-        elif self._isolated():
+        elif self._others.isolated():
             why = " alone: this peer reaches none of the peers it trained with; its gradient waits for them"
         else:
             return
@@ -165,8 +161,8 @@ class SwarmOptimizer(hivemind.Optimizer):
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
         return PacedTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
                              client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=True,
-                             settle_s=self._settle_s, others_present=self._others_present, round_due=self._round_due,
-                             announced=self._announced, ended=self._ended, on_swarm_epoch=self._swarm_at,
+                             settle_s=self._settle_s, others=self._others, round_due=self._round_due,
+                             on_swarm_epoch=self._swarm_at,
                              **kwargs)
 
     def _swarm_at(self, epoch: int) -> None:
@@ -381,7 +377,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             super()._update_global_epoch(grad_scaler)
         except NoSwarmRound as e:
             self.skipped_rounds += 1
-            self._after_failed_round()
+            self._others.reach_now()
             if isinstance(self.tracker, PacedTracker):
                 self.tracker.read_before_next_round()
             if time.monotonic() >= self._next_skip_log:  # a client-mode peer left alone retries every poll

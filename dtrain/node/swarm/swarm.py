@@ -23,7 +23,8 @@ from dtrain.node import memory
 from dtrain.node.swarm.commit import CommittingGradientAverager, chunk_timeout
 from dtrain.node.swarm.deadlines import RoundClock
 from dtrain.node.swarm.keygate import start_prover
-from dtrain.node.swarm.presence import PeerInfo, presence_validator
+from dtrain.node.swarm.others import Others
+from dtrain.node.swarm.presence import presence_validator
 from dtrain.node.swarm.records import RecordOwner, identity_kwargs
 from dtrain.node.swarm.swarmkey import SwarmJoinError, SwarmKeyAuthorizer, keyed_run_id, load_swarm_key
 from dtrain.node.swarm.reachability import Reachability, ReachabilityService, decide
@@ -70,16 +71,12 @@ class Swarm:
     def __init__(self, config: SwarmConfig, local_optimizer: torch.optim.Optimizer,
                  local_gradients: Callable[[], Sequence[torch.Tensor]], verbose: bool = False,
                  averaging: Averaging = Averaging(), round_clock: Optional[RoundClock] = None,
-                 others_present: Callable[[], bool] = lambda: False, round_due: Optional[Callable[[], bool]] = None,
-                 announced: Callable[[], Mapping[str, PeerInfo]] = dict,
-                 ended: Callable[[], Mapping[str, float]] = dict,
-                 isolated: Callable[[], bool] = lambda: False, after_failed_round: Callable[[], None] = lambda: None,
+                 others: Optional[Others] = None, round_due: Optional[Callable[[], bool]] = None,
                  before_state_load: Optional[Callable[[], None]] = None):
         """`averaging`: how the gradient rounds average (per-step mode's by default). `round_clock`: keeps the
         all-reduce deadline from each round's measured throughput (node.swarm.deadlines); None:
-        `config.averaging_timeout_s` throughout. `local_gradients`, `others_present`, `round_due`,
-        `announced`, `ended`, `isolated`, `after_failed_round` and `before_state_load`: what the node tells its
-        optimizer (node.swarm.optimizer.SwarmOptimizer)."""
+        `config.averaging_timeout_s` throughout. `local_gradients`, `others` (node.swarm.others), `round_due`
+        and `before_state_load`: what the node tells its optimizer (node.swarm.optimizer.SwarmOptimizer)."""
         self.config = config
         # a closed swarm: the key is read (or refused) before anything starts; the run's DHT keys are then named
         # with it, and every DHT request and response carries its HMAC (node.swarm.swarmkey)
@@ -129,12 +126,8 @@ class Swarm:
             averager = partial(averaging.averager, record_subkey=self.owner.subkey, swarm_key=swarm_key)
             self.optimizer = SwarmOptimizer(
                 local_gradients=local_gradients,
-                others_present=others_present,
+                others=others,
                 round_due=round_due,
-                announced=announced,
-                ended=ended,
-                isolated=isolated,
-                after_failed_round=after_failed_round,
                 before_state_load=before_state_load,
                 update_bonus=peer_bonus(self.peer_id),
                 failed_rounds_carried=averaging.failed_rounds_carried,

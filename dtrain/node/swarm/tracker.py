@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, Mapping, Optional
+from typing import Callable, Iterable, Optional
 
 from hivemind.optim.progress_tracker import GlobalTrainingProgress, LocalTrainingProgress, ProgressTracker
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
-from dtrain.node.swarm.presence import PeerInfo
+from dtrain.node.swarm.others import Others
 
 READ_WAIT_S = 10.0  # the longest a round waits for a read of the swarm's progress after one that gave no update
 
@@ -63,21 +63,20 @@ class PacedTracker(ProgressTracker):
     due (`round_is_due`), the next read comes at once and then at hivemind's pace again, which the settle rule needs.
     """
 
-    def __init__(self, *args, settle_s: float, others_present: Callable[[], bool] = lambda: False,
-                 round_due: Optional[Callable[[], bool]] = None,
-                 announced: Callable[[], Mapping[str, PeerInfo]] = dict,
-                 ended: Callable[[], Mapping[str, float]] = dict, between_rounds_s: float = 3.0,
+    def __init__(self, *args, settle_s: float, others: Optional[Others] = None,
+                 round_due: Optional[Callable[[], bool]] = None, between_rounds_s: float = 3.0,
                  on_swarm_epoch: Callable[[int], None] = lambda epoch: None, **kwargs):
+        """`others`: what the node knows of the other peers (node.swarm.others); a swarm without announcements (the
+        adapter's, node.serve.adapter) takes them to be present always; None: it knows of no one."""
+        others = others if others is not None else Others()
         self.settle_s = settle_s
         self.between_rounds_s = between_rounds_s
-        # whether other nodes announced themselves (node.swarm.presence); a swarm without announcements (the
-        # adapter's, node.serve.adapter) says always
-        self.others_present = others_present
-        # what each node announced (node.swarm.presence): peer id -> the epoch it is at (-1 while it downloads), and
-        # peer id -> when each node that announces a download of the state announced it
-        self.announced_epochs = lambda: {peer: info.epoch for peer, info in announced().items()}
-        self.downloading = lambda: {peer: info.time for peer, info in announced().items() if info.epoch < 0}
-        self.ended = ended  # peer id -> when this node found its process ended (node.swarm.contact.Contact.ended)
+        self.others_present = others.present  # whether other nodes announced themselves
+        # what each node announced: peer id -> the epoch it is at (-1 while it downloads), and peer id -> when each
+        # node that announces a download of the state announced it
+        self.announced_epochs = lambda: {peer: info.epoch for peer, info in others.announced().items()}
+        self.downloading = lambda: {peer: info.time for peer, info in others.announced().items() if info.epoch < 0}
+        self.ended = others.ended  # peer id -> when this node found its process ended
         # low-communication mode: the node's own rule (its round is due, or it is the single server) replaces the
         # target and the settle rule; then this peer's round begins once the swarm's samples stopped growing
         self.round_due = round_due

@@ -53,6 +53,7 @@ from dtrain.node.train.ledger import ContributorLedger, ScoringConfig
 from dtrain.node.hfdir import load_params
 from dtrain.node.model import TensorInfo, build_model, tensor_infos
 from dtrain.node.train.pool import ContributionPool
+from dtrain.node.swarm.others import Others
 from dtrain.node.swarm.presence import ANNOUNCE_EVERY_S, Presence
 from dtrain.node.train.reference import ReferenceConfig, ReferenceSource
 from dtrain.node.train.robust import RobustAggregator, RobustConfig
@@ -134,6 +135,7 @@ class TrainingNode:
         self.swarm: Optional[Swarm] = None
         self.presence: Optional[Presence] = None
         self.contact: Optional[Contact] = None  # the peers it trained with, reached again (node.swarm.contact)
+        self.others = Others()  # both, as the optimizer reads them
         self.agreement: Optional[Agreement] = None
         self.publisher: Optional[StepPublisher] = None  # the served step, from the end of the join on
         self._stop = threading.Event()
@@ -298,12 +300,7 @@ class TrainingNode:
         self.swarm = swarm = Swarm(
             self.swarm_config, local_opt, local_gradients=local_gradients,
             averaging=lowcomm_codec.averaging(self.swarm_config) if self.low_comm else Averaging(),
-            round_clock=self.round_clock,
-            others_present=lambda: self.presence is not None and not self.presence.alone(),
-            announced=lambda: self.presence.nodes if self.presence is not None else {},
-            ended=lambda: self.contact.ended() if self.contact is not None else {},
-            isolated=lambda: self.contact is not None and self.contact.isolated(),
-            after_failed_round=lambda: self.contact is not None and self.contact.reach_now(),
+            round_clock=self.round_clock, others=self.others,
             # low-comm: the loop's rule; whatever downloads sets the inner updates' parameters aside first
             round_due=(lambda: self.loop.round_due) if self.low_comm else None,
             before_state_load=(lambda: self.rounds is not None and self.rounds.enter_outer()) if self.low_comm else None)
@@ -311,9 +308,10 @@ class TrainingNode:
         if restored is not None:
             opt.state_averager.local_epoch = restored.epoch
             opt.tracker.report_local_progress(restored.epoch, 0)
-        self.presence = Presence(swarm.dht, swarm.run_id, swarm.owner, swarm.maddrs, cfg.port,
-                                 model=self.model_config.architecture(), epoch=lambda: swarm.epoch)
-        self.contact = Contact(swarm.dht, swarm.peer_id, lambda: self.presence.nodes).start()
+        self.presence = self.others.presence = Presence(
+            swarm.dht, swarm.run_id, swarm.owner, swarm.maddrs, cfg.port, model=self.model_config.architecture(),
+            epoch=lambda: swarm.epoch)
+        self.contact = self.others.contact = Contact(swarm.dht, swarm.peer_id, self.others.announced).start()
         self.agreement = Agreement(swarm.dht, opt, self.model, self.swarm_config, self._stop, seed_digest,
                                    swarm.owner, present=lambda: self.presence.alive(swarm.service))
         if self.dataset is not None:  # each node draws its own batches: a generator seeded by its peer id
