@@ -152,3 +152,14 @@ def test_an_answer_may_take_what_its_rounds_need_at_the_link():
     assert roundlog.fetch_timeout(6, 2, 0.2, gpt2_small, 20.0).seconds == pytest.approx(2 * three.seconds)
     assert roundlog.fetch_timeout(1, 2, 0.2, gpt2_small, 20.0).seconds == roundlog.FETCH_TIMEOUT_S  # the floor
     assert roundlog.fetch_timeout(1, 2, 0.2, gpt2_small, 0.0).seconds == roundlog.FETCH_TIMEOUT_S  # no rate known
+
+
+def test_a_replay_asks_a_log_only_for_the_rounds_it_did_not_collect():
+    # rounds collected as they were made (a joiner's download, then each round until its first update) fill the
+    # replay; only the runs between them are asked for, each as (after, count)
+    assert roundlog.missing(3, 7, []) == [(3, 4)]
+    assert roundlog.missing(3, 7, [4, 5, 6, 7, 8]) == []  # later ones wait for the next replay
+    assert roundlog.missing(3, 7, [6, 7]) == [(3, 2)]  # collected from the swarm's epoch after the download began
+    assert roundlog.missing(3, 7, [5]) == [(3, 1), (5, 2)]
+    assert roundlog.missing(3, 7, [1, 2, 4, 7]) == [(4, 2)]
+    assert roundlog.missing(5, 5, [6]) == []

@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from typing import AsyncIterator, BinaryIO, Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import AsyncIterator, BinaryIO, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 from google.protobuf import wrappers_pb2
@@ -242,6 +242,19 @@ def replay(params: Sequence[torch.Tensor], outer: torch.optim.Optimizer, rounds:
         outer.passthrough, outer.source = passthrough, source
 
 
+def missing(have: int, want: int, collected: Iterable[int]) -> list[tuple[int, int]]:
+    """The rounds `have`+1..`want` not among the `collected` epochs, as (after, count) runs to ask a log for."""
+    held, runs, epoch = set(collected), [], have
+    while epoch < want:
+        if epoch + 1 in held:
+            epoch += 1
+            continue
+        end = next((e for e in range(epoch + 1, want + 1) if e in held), want + 1)
+        runs.append((epoch, end - 1 - epoch))
+        epoch = end - 1
+    return runs
+
+
 class CatchUp:
     """A sparse node's round log, filled after each of its outer updates (averaged, or its own after a failed
     round) and served to its peers, and its own catch-up by replay, with the rounds it collected while it downloaded
@@ -305,16 +318,14 @@ class CatchUp:
 
     def replay(self) -> bool:
         """Bring the parameters (at the anchor: the served bytes of the node's epoch) and the outer momentum to the
-        swarm's epoch with the rounds collected during a download (`collecting`) and the rest from a peer's log;
-        True when the result is the bytes the peers publish for that epoch. False leaves the parameters anywhere: the
-        caller downloads the state."""
+        swarm's epoch with the rounds collected as they were made (`collecting`, `start_collecting`) and the rest
+        from a peer's log; True when the result is the bytes the peers publish for that epoch. False leaves the
+        parameters anywhere: the caller downloads the state."""
         opt = self._swarm.optimizer
         have, want = opt.local_epoch, self._agreement.saw(opt.tracker.global_epoch)
-        with self._collected_lock:  # the rounds after `have` it collected, without a gap; no later replay uses them
-            collected = []
-            while have + 1 + len(collected) in self._collected:
-                collected.append(self._collected[have + 1 + len(collected)])
-            self._collected.clear()
+        with self._collected_lock:  # what is collected up to the node's epoch is of no more use
+            self._collected = {e: r for e, r in self._collected.items() if e > have}
+            collected = dict(self._collected)
         if want - have <= 0:
             return False
         # the swarm's newest epoch may still be in the making (no record yet): then the one before, if it is ahead.
@@ -334,38 +345,46 @@ class CatchUp:
             logger.info(f"No peer publishes its bytes for epoch {want} within {RECORD_WAIT_S:g}s: nothing to check a "
                         f"replay against")
             return False
-        collected = collected[:want - have]
-        after, count, digest = have + len(collected), want - have - len(collected), found[1].digest
+        gaps = missing(have, want, collected)
+        count, digest = sum(n for _, n in gaps), found[1].digest
         peers = max(2, opt.tracker.global_progress.num_peers)
-        if count > MAX_ROUNDS:
+        if count > MAX_ROUNDS:  # more than the peers' logs hold
             return False
         if count * record.bytes_per_element(peers, self._fraction) >= STATE_BYTES_PER_ELEMENT:
             logger.info(f"{count} rounds behind among {peers} peers at top-{self._fraction:g}: downloading the state "
                         f"costs less than replaying them")
             return False
-        began = time.monotonic()
-        fetched, source = self.fetch_rounds(self._donors(records, digest), after, count, peers) if count else ([], "")
-        if fetched is None:
-            return False
-        rounds = collected + fetched
+        began, fetched, source = time.monotonic(), {}, ""
+        for after, n in gaps:
+            got, source = self.fetch_rounds(self._donors(records, digest), after, n, peers)
+            if got is None:
+                return False
+            fetched.update((r.epoch, r) for r in got)
+        rounds = [collected.get(e) or fetched[e] for e in range(have + 1, want + 1)]
         try:
             replay(self._params, opt.state_averager.optimizer, rounds, self._limit)
         except sparse.BadPayload as e:  # the parameters are part-way: downloaded instead
             logger.warning(f"A round holds a payload the codec refuses ({e}); downloading the state")
-            return False
+            return self._refused()
         if params_digest(self._model) != digest:
             logger.warning(f"Replaying rounds {have + 1}..{want} did not give the bytes the swarm serves for "
                            f"epoch {want}; downloading the state")
-            return False
+            return self._refused()
         adopt_epoch(opt, want)
         for r in rounds:  # verified by the digest: this node serves them too from now on
             self.log.add(r.epoch, r.record)
-        moved = sum(len(r.record) for r in fetched) / 1e6
+        moved, ahead = sum(len(r.record) for r in fetched.values()) / 1e6, len(rounds) - len(fetched)
         logger.info(f"Caught up from epoch {have} to {want} by replaying {len(rounds)} rounds"
-                    + (f" ({len(collected)} collected while it downloaded)" if collected else "")
+                    + (f" ({ahead} collected as they were made)" if ahead else "")
                     + (f" from {source}: {moved:.2f} MB" if fetched else "")
                     + f" in {time.monotonic() - began:.1f}s instead of the whole state")
         return True
+
+    def _refused(self) -> bool:
+        """A replay that did not give the swarm's bytes: no later one uses the rounds collected for it."""
+        with self._collected_lock:
+            self._collected.clear()
+        return False
 
     def _donors(self, records, digest: str) -> list[str]:
         """The full peers whose `records` say they serve `digest`, by their state-sharing priority, highest first."""
@@ -394,42 +413,49 @@ class CatchUp:
 
     @contextlib.contextmanager
     def collecting(self) -> Iterator[None]:
-        """While the caller downloads the state: the records of the rounds the swarm makes meanwhile, asked every
-        COLLECT_EVERY_S, from the swarm's epoch as the download begins (the one a donor serves; a donor still at the
-        epoch before serves that, and the replay asks a log for the round in between), for the replay that follows. A
-        download that takes longer than the rounds the peers' logs hold lands behind them; without these, the node
-        downloads again and lands as far behind, with no end. They are asked of the peers of lowest state-sharing
-        priority first (the download is from the highest: over a saturated link, a request on the same connection
-        waits behind the state), and checked as any replay: by the digest the result must have."""
-        done = threading.Event()
+        """While the caller downloads the state: the records of the rounds the swarm makes meanwhile
+        (`start_collecting`), for the replay that follows. A download that takes longer than the rounds the peers'
+        logs hold lands behind them; without these, the node downloads again and lands as far behind, with no end."""
         with self._collected_lock:
             self._collected.clear()
-        opt = self._swarm.optimizer
-        want = self._agreement.saw(opt.tracker.global_epoch)
-        donors = []
-        for epoch in range(want, max(0, want - COLLECT_LOOK_BACK), -1):  # on fast rounds the records lag the epoch
-            found = reference_of(records := self._agreement.records(epoch))
-            if found is not None:
-                donors = self._donors(records, found[1].digest)[::-1]
-                break
-        thread = threading.Thread(target=self._collect, args=(want, donors, done),
-                                  name="dtrain-collect-rounds", daemon=True)
-        if donors:
-            thread.start()
+        end = self.start_collecting()
         try:
             yield
         finally:
-            done.set()
+            end()
             with self._collected_lock:
                 collected = sorted(self._collected)
                 held = sum(len(self._collected[e].record) for e in collected)
             if collected:
                 logger.info(f"Collected rounds {collected[0]}..{collected[-1]} ({held / 1e6:.2f} MB) while downloading")
 
-    def _collect(self, after: int, donors: list[str], done: threading.Event) -> None:
+    def start_collecting(self, stop: Optional[threading.Event] = None) -> Callable[[], None]:
+        """Fetches, every COLLECT_EVERY_S, the records of the rounds the swarm makes from now on (after the newest
+        collected, or the swarm's epoch now: the one a donor serves; a donor still at the epoch before serves that,
+        and the replay asks a log for the round in between) until the function it returns is called or `stop` is set,
+        for the next replay (`replay`), which then fetches only the rounds not collected. They are asked of the peers
+        of lowest state-sharing priority first (a download is from the highest: over a saturated link, a request on
+        the same connection waits behind the state), and checked as any replay: by the digest the result must have."""
+        done = threading.Event()
+        opt = self._swarm.optimizer
+        want = self._agreement.saw(opt.tracker.global_epoch)
+        with self._collected_lock:
+            after = max(want, max(self._collected, default=want))
+        donors = []
+        for epoch in range(want, max(0, want - COLLECT_LOOK_BACK), -1):  # on fast rounds the records lag the epoch
+            found = reference_of(records := self._agreement.records(epoch))
+            if found is not None:
+                donors = self._donors(records, found[1].digest)[::-1]
+                break
+        if donors:
+            threading.Thread(target=self._collect, args=(after, donors, done, stop or threading.Event()),
+                             name="dtrain-collect-rounds", daemon=True).start()
+        return done.set
+
+    def _collect(self, after: int, donors: list[str], done: threading.Event, stop: threading.Event) -> None:
         opt, held = self._swarm.optimizer, 0
         budget = COLLECT_STATES * STATE_BYTES_PER_ELEMENT * self._total
-        while not done.wait(COLLECT_EVERY_S):
+        while not done.wait(COLLECT_EVERY_S) and not stop.is_set():
             try:  # whatever the peers' logs hold after the last round collected
                 peers = max(2, opt.tracker.global_progress.num_peers)
                 rounds, _ = self.fetch_rounds(donors, after, MAX_ROUNDS, peers, some=True)
@@ -445,8 +471,7 @@ class CatchUp:
                     self._collected[r.epoch] = Round(r.epoch, OnDisk(r.record), r.members)
             held, after = held + sum(len(r.record) for r in rounds), rounds[-1].epoch
             if held >= budget:
-                logger.info(f"Collected {held / 1e6:.1f} MB of rounds while downloading, {COLLECT_STATES:g}x the "
-                            f"state's bytes: no more")
+                logger.info(f"Collected {held / 1e6:.1f} MB of rounds, {COLLECT_STATES:g}x the state's bytes: no more")
                 return
 
 

@@ -8,7 +8,8 @@ disagrees with (docs/low-communication.md, "How a node joins").
   (node.lowcomm.roundlog), else a download; then the downloaded bytes are served and the round in progress goes on
   on top of them, arriving late into the epoch the others have trained part of.
 - Every download from one peer collects the rounds the swarm makes meanwhile, so the replay after it does not
-  depend on the peers' logs still holding them (`CatchUp.collecting`).
+  depend on the peers' logs still holding them (`CatchUp.collecting`); after a joiner's download, whichever way it
+  came, the rounds are collected as they are made until its first update (`after_join_download`).
 """
 from __future__ import annotations
 
@@ -95,6 +96,19 @@ class SwarmFollower:
                                    f"within {timeout_s:.0f}s; is the swarm training faster than this link?")
         return result
 
+    def after_join_download(self) -> None:
+        """A joiner's download lands behind the rounds the swarm made meanwhile, and over a slow link each catch-up
+        used to land behind the next round: from here to its first update the node fetches each round's record as
+        it is made (CatchUp.start_collecting), so that a catch-up on the way replays what is here. It replays what
+        it missed at once, before it announces its epoch and waits for the others to read it (TrainingNode._join):
+        the wait then counts it into their next round, where before it was spent at an epoch already left."""
+        node = self.node
+        if node.catchup is not None:
+            end = node.catchup.start_collecting(self.stop)
+            node.publisher.add_update_listener(lambda took_s: end())
+        fresh = node.swarm.optimizer.read_swarm_epoch()  # the tracker's view may be from before the download ended
+        self.catch_up(node.agreement.saw(fresh if fresh is not None else -1))
+
     def serves_my_bytes(self) -> bool:
         """A restored checkpoint of the swarm's current epoch: do the peers serve the same bytes?"""
         node = self.node
@@ -102,14 +116,16 @@ class SwarmFollower:
         records = node.agreement.records(epoch)
         return not records or any(r.digest == params_digest(node.model) for r in records.values())
 
-    def catch_up(self) -> None:
-        """A node behind the swarm, or holding bytes the swarm disagrees with, takes the swarm's state: by replaying
-        the rounds it missed where it can, else by a download (nothing pending is dropped)."""
+    def catch_up(self, swarm_epoch: int = -1) -> None:
+        """A node behind the swarm (by its tracker, or at `swarm_epoch` read otherwise), or holding bytes the swarm
+        disagrees with, takes the swarm's state: by replaying the rounds it missed where it can, else by a download
+        (nothing pending is dropped)."""
         node = self.node
         opt = node.swarm.optimizer
-        if opt.tracker.global_epoch > opt.local_epoch:
+        swarm_epoch = max(opt.tracker.global_epoch, swarm_epoch)
+        if swarm_epoch > opt.local_epoch:
             # the swarm moved on without us: take its state (nothing pending is dropped)
-            logger.info(f"Behind the swarm (epoch {opt.local_epoch} < {opt.tracker.global_epoch}); loading state")
+            logger.info(f"Behind the swarm (epoch {opt.local_epoch} < {swarm_epoch}); loading state")
         elif not node.unverified:
             return
         if node.rounds is not None:

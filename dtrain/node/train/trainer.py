@@ -376,15 +376,15 @@ class TrainingNode:
             self.loop.resume(restored)  # off the anchor: the snapshot served is the anchor's
             self.publisher.share_state()
         self._last_checkpoint_epoch = opt.local_epoch
-        if any(peer != swarm.peer_id for peer in self.presence.refresh(snap.step, 0)):
-            # ready once every node has read this one's announcement: until then a node that takes a packet
-            # believes it is alone and updates at once, and this node, behind, has to catch up before its first
-            # update can join the swarm's; and a joiner that downloaded was announced as downloading (epoch -1),
-            # counted in no round of theirs until they read its epoch
+        if self._first_state == "download":
+            self.follower.after_join_download()
+        if any(peer != swarm.peer_id for peer in self.presence.refresh(self.step, 0)):
+            # ready once every node has read this one's announcement: until then a node that takes a packet believes
+            # it is alone and updates at once; a joiner was announced as downloading (epoch -1), in no round of theirs
             self._stop.wait(ANNOUNCE_EVERY_S + 0.5)
         if self._first_state == "download":
             self.follower.arrive_late()
-        logger.info(f"Node ready at step {snap.step} (epoch {snap.updates})")
+        logger.info(f"Node ready at step {self.step} (epoch {opt.local_epoch})")
 
     # ---- the training thread -------------------------------------------------------------------------------
 
