@@ -40,7 +40,7 @@ DONOR_RATE_MBIT = 8  # D's state, 13 MB, takes about 7 s from two donors at this
 KILL_AFTER_S = 2.0  # after D begins to download: B has sent D a few of its ranges
 INNER = 4
 REPLAYED = re.compile(r"Caught up from epoch (\d+) to (\d+) by replaying (\d+) rounds"
-                      r"(?: \((\d+) collected as they were made\))?")
+                      r"(?: \((\d+) collected while it downloaded\))?")
 DOWNLOADED = re.compile(r"Downloaded the state of epoch (\d+) in ranges from (\d+) donors .*ranges per donor: (.*)\)")
 ONE_PEER_DOWNLOAD = "Loading the swarm's parameters and optimizer state from peers"
 

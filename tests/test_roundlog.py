@@ -155,8 +155,8 @@ def test_an_answer_may_take_what_its_rounds_need_at_the_link():
 
 
 def test_a_replay_asks_a_log_only_for_the_rounds_it_did_not_collect():
-    # rounds collected as they were made (a joiner's download, then each round until its first update) fill the
-    # replay; only the runs between them are asked for, each as (after, count)
+    # rounds collected while the node downloaded fill the replay; only the runs between them are asked for, each as
+    # (after, count)
     assert roundlog.missing(3, 7, []) == [(3, 4)]
     assert roundlog.missing(3, 7, [4, 5, 6, 7, 8]) == []  # later ones wait for the next replay
     assert roundlog.missing(3, 7, [6, 7]) == [(3, 2)]  # collected from the swarm's epoch after the download began

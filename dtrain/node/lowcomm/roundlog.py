@@ -318,9 +318,9 @@ class CatchUp:
 
     def replay(self) -> bool:
         """Bring the parameters (at the anchor: the served bytes of the node's epoch) and the outer momentum to the
-        swarm's epoch with the rounds collected as they were made (`collecting`, `start_collecting`) and the rest
-        from a peer's log; True when the result is the bytes the peers publish for that epoch. False leaves the
-        parameters anywhere: the caller downloads the state."""
+        swarm's epoch with the rounds collected during a download (`collecting`) and the rest from a peer's log, only
+        the runs of rounds it did not collect (`missing`); True when the result is the bytes the peers publish for
+        that epoch. False leaves the parameters anywhere: the caller downloads the state."""
         opt = self._swarm.optimizer
         have, want = opt.local_epoch, self._agreement.saw(opt.tracker.global_epoch)
         with self._collected_lock:  # what is collected up to the node's epoch is of no more use
@@ -375,7 +375,7 @@ class CatchUp:
             self.log.add(r.epoch, r.record)
         moved, ahead = sum(len(r.record) for r in fetched.values()) / 1e6, len(rounds) - len(fetched)
         logger.info(f"Caught up from epoch {have} to {want} by replaying {len(rounds)} rounds"
-                    + (f" ({ahead} collected as they were made)" if ahead else "")
+                    + (f" ({ahead} collected while it downloaded)" if ahead else "")
                     + (f" from {source}: {moved:.2f} MB" if fetched else "")
                     + f" in {time.monotonic() - began:.1f}s instead of the whole state")
         return True
@@ -413,49 +413,42 @@ class CatchUp:
 
     @contextlib.contextmanager
     def collecting(self) -> Iterator[None]:
-        """While the caller downloads the state: the records of the rounds the swarm makes meanwhile
-        (`start_collecting`), for the replay that follows. A download that takes longer than the rounds the peers'
-        logs hold lands behind them; without these, the node downloads again and lands as far behind, with no end."""
+        """While the caller downloads the state: the records of the rounds the swarm makes meanwhile, asked every
+        COLLECT_EVERY_S, from the swarm's epoch as the download begins (the one a donor serves; a donor still at the
+        epoch before serves that, and the replay asks a log for the round in between), for the replay that follows. A
+        download that takes longer than the rounds the peers' logs hold lands behind them; without these, the node
+        downloads again and lands as far behind, with no end. They are asked of the peers of lowest state-sharing
+        priority first (the download is from the highest: over a saturated link, a request on the same connection
+        waits behind the state), and checked as any replay: by the digest the result must have."""
+        done = threading.Event()
         with self._collected_lock:
             self._collected.clear()
-        end = self.start_collecting()
-        try:
-            yield
-        finally:
-            end()
-            with self._collected_lock:
-                collected = sorted(self._collected)
-                held = sum(len(self._collected[e].record) for e in collected)
-            if collected:
-                logger.info(f"Collected rounds {collected[0]}..{collected[-1]} ({held / 1e6:.2f} MB) while downloading")
-
-    def start_collecting(self, stop: Optional[threading.Event] = None) -> Callable[[], None]:
-        """Fetches, every COLLECT_EVERY_S, the records of the rounds the swarm makes from now on (after the newest
-        collected, or the swarm's epoch now: the one a donor serves; a donor still at the epoch before serves that,
-        and the replay asks a log for the round in between) until the function it returns is called or `stop` is set,
-        for the next replay (`replay`), which then fetches only the rounds not collected. They are asked of the peers
-        of lowest state-sharing priority first (a download is from the highest: over a saturated link, a request on
-        the same connection waits behind the state), and checked as any replay: by the digest the result must have."""
-        done = threading.Event()
         opt = self._swarm.optimizer
         want = self._agreement.saw(opt.tracker.global_epoch)
-        with self._collected_lock:
-            after = max(want, max(self._collected, default=want))
         donors = []
         for epoch in range(want, max(0, want - COLLECT_LOOK_BACK), -1):  # on fast rounds the records lag the epoch
             found = reference_of(records := self._agreement.records(epoch))
             if found is not None:
                 donors = self._donors(records, found[1].digest)[::-1]
                 break
+        thread = threading.Thread(target=self._collect, args=(want, donors, done),
+                                  name="dtrain-collect-rounds", daemon=True)
         if donors:
-            threading.Thread(target=self._collect, args=(after, donors, done, stop or threading.Event()),
-                             name="dtrain-collect-rounds", daemon=True).start()
-        return done.set
+            thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            with self._collected_lock:
+                collected = sorted(self._collected)
+                held = sum(len(self._collected[e].record) for e in collected)
+            if collected:
+                logger.info(f"Collected rounds {collected[0]}..{collected[-1]} ({held / 1e6:.2f} MB) while downloading")
 
-    def _collect(self, after: int, donors: list[str], done: threading.Event, stop: threading.Event) -> None:
+    def _collect(self, after: int, donors: list[str], done: threading.Event) -> None:
         opt, held = self._swarm.optimizer, 0
         budget = COLLECT_STATES * STATE_BYTES_PER_ELEMENT * self._total
-        while not done.wait(COLLECT_EVERY_S) and not stop.is_set():
+        while not done.wait(COLLECT_EVERY_S):
             try:  # whatever the peers' logs hold after the last round collected
                 peers = max(2, opt.tracker.global_progress.num_peers)
                 rounds, _ = self.fetch_rounds(donors, after, MAX_ROUNDS, peers, some=True)
@@ -471,7 +464,8 @@ class CatchUp:
                     self._collected[r.epoch] = Round(r.epoch, OnDisk(r.record), r.members)
             held, after = held + sum(len(r.record) for r in rounds), rounds[-1].epoch
             if held >= budget:
-                logger.info(f"Collected {held / 1e6:.1f} MB of rounds, {COLLECT_STATES:g}x the state's bytes: no more")
+                logger.info(f"Collected {held / 1e6:.1f} MB of rounds while downloading, {COLLECT_STATES:g}x the "
+                            f"state's bytes: no more")
                 return
 
 

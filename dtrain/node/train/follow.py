@@ -8,8 +8,7 @@ disagrees with (docs/low-communication.md, "How a node joins").
   (node.lowcomm.roundlog), else a download; then the downloaded bytes are served and the round in progress goes on
   on top of them, arriving late into the epoch the others have trained part of.
 - Every download from one peer collects the rounds the swarm makes meanwhile, so the replay after it does not
-  depend on the peers' logs still holding them (`CatchUp.collecting`); after a joiner's download, whichever way it
-  came, the rounds are collected as they are made until its first update (`after_join_download`).
+  depend on the peers' logs still holding them (`CatchUp.collecting`).
 """
 from __future__ import annotations
 
@@ -97,16 +96,12 @@ class SwarmFollower:
         return result
 
     def after_join_download(self) -> None:
-        """A joiner's download lands behind the rounds the swarm made meanwhile, and over a slow link each catch-up
-        used to land behind the next round: from here to its first update the node fetches each round's record as
-        it is made (CatchUp.start_collecting), so that a catch-up on the way replays what is here. It replays what
-        it missed at once, before it announces its epoch and waits for the others to read it (TrainingNode._join):
-        the wait then counts it into their next round, where before it was spent at an epoch already left."""
+        """A joiner's download lands behind the rounds the swarm made meanwhile: it replays them at once, by a fresh
+        read of the swarm's epoch (the tracker's may be from before the download ended), before it announces its
+        epoch and waits for the others to read it (TrainingNode._join). The wait then counts it into their next
+        round, where before it was spent at an epoch they had left, and the replay came after it."""
         node = self.node
-        if node.catchup is not None:
-            end = node.catchup.start_collecting(self.stop)
-            node.publisher.add_update_listener(lambda took_s: end())
-        fresh = node.swarm.optimizer.read_swarm_epoch()  # the tracker's view may be from before the download ended
+        fresh = node.swarm.optimizer.read_swarm_epoch()
         self.catch_up(node.agreement.saw(fresh if fresh is not None else -1))
 
     def serves_my_bytes(self) -> bool:
