@@ -134,22 +134,23 @@ class Presence:
                 and (info := PeerInfo.from_record(peer, r)).model is not None}
 
     @contextlib.contextmanager
-    def announcing(self, step: int) -> Iterator[None]:
+    def announcing(self, step: int, downloading: bool = True) -> Iterator[None]:
         """This node stays announced while the body runs, from a thread of its own every ANNOUNCE_EVERY_S: a
         download of the swarm's state, during which the training thread refreshes nothing, outlasts a record
         (RECORD_TTL_S) on any slow link, and the nodes it joins must not take themselves for alone meanwhile (they
-        would update on every batch, and the joiner would arrive behind them). The training thread must not use
+        would update on every batch, and the joiner would arrive behind them). Announced as downloading (epoch -1),
+        or at its epoch (`downloading` False: a replay of the rounds it missed). The training thread must not use
         this presence until the body is done."""
         stop = threading.Event()
 
         def keep_announcing() -> None:  # a store only: nobody reads the others' announcements meanwhile
             while not stop.wait(ANNOUNCE_EVERY_S):
                 try:
-                    self._announce(step, 0, downloading=True)
+                    self._announce(step, 0, downloading=downloading)
                 except Exception as e:  # the next one may work; the download goes on either way
                     logger.warning(f"Announcing this node failed: {e!r}")
 
-        self.refresh(step, 0, downloading=True)
+        self.refresh(step, 0, downloading=downloading)
         thread = threading.Thread(target=keep_announcing, name="dtrain-announce", daemon=True)
         thread.start()
         try:

@@ -127,12 +127,20 @@ class SwarmFollower:
             node.rounds.enter_outer()  # the pseudo-gradient aside: the download replaces the parameters
         # announced meanwhile, as a joiner's first download (join_download): a replay over a slow link outlasts an
         # announcement too (the default model's 4 rounds took 29 s at 20 Mbit/s), and a node that finds itself
-        # alone then makes updates no round log holds, which this node could only download whole
+        # alone then makes updates no round log holds, which this node could only download whole. A replay is
+        # announced at the node's epoch, not as a download: one epoch behind with its round due, the others' next
+        # round counts it and waits for it within matchmaking's time (node.swarm.tracker), where announced as
+        # downloading it was counted out, and it arrived a second or two after their group had closed, round
+        # after round, over a slow link
         try:
-            with node.presence.announcing(node.step):
-                if node.catchup is not None and not node.unverified and node.catchup.replay():
-                    download = Download.CHECKED  # the replayed bytes are the ones the peers publish
-                else:
+            replayed = False
+            if node.catchup is not None and not node.unverified:
+                with node.presence.announcing(node.step, downloading=False):
+                    replayed = node.catchup.replay()
+            if replayed:
+                download = Download.CHECKED  # the replayed bytes are the ones the peers publish
+            else:
+                with node.presence.announcing(node.step):
                     download = self._download_to_catch_up()
         except Exception as e:  # a peer or link that failed mid-way: as a download refused, tried again next turn
             logger.exception(f"Catching up failed: {e!r}")
