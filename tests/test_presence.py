@@ -22,14 +22,14 @@ TTL_S = 2.0  # records live this long here (a node's live RECORD_TTL_S)
 
 
 @contextlib.contextmanager
-def two_nodes():
-    """The presence of two nodes of one run, each on a DHT of its own."""
+def two_nodes(epoch=lambda: -1):
+    """The presence of two nodes of one run, each on a DHT of its own, at `epoch`."""
     run_id = new_run_id()
     owners = [RecordOwner.generate() for _ in range(2)]
     dhts = [signed_dht(owners[0])]
     try:
         dhts.append(signed_dht(owners[1], initial_peers=dhts[0].get_visible_maddrs()))
-        yield tuple(Presence(d, run_id, o, [str(m) for m in d.get_visible_maddrs()], bridge_port=8000)
+        yield tuple(Presence(d, run_id, o, [str(m) for m in d.get_visible_maddrs()], bridge_port=8000, epoch=epoch)
                     for d, o in zip(dhts, owners))
     finally:
         for d in reversed(dhts):
@@ -47,6 +47,17 @@ def test_a_node_stays_announced_while_it_downloads_and_goes_after(monkeypatch):
         time.sleep(TTL_S + 1.0)  # done: no more announcements, and the last one expired
         assert joiner.peer_id not in donor.refresh(step=7, pending_samples=0)
         assert donor.alone()
+
+
+def test_a_download_is_announced_as_one_and_a_replay_at_the_node_s_epoch(monkeypatch):
+    # a download counts the node out of every round (epoch -1); a replay leaves it the late peer the others wait for
+    monkeypatch.setattr(records, "RECORD_TTL_S", TTL_S)
+    monkeypatch.setattr(presence_module, "ANNOUNCE_EVERY_S", 0.5)
+    with two_nodes(epoch=lambda: 6) as (donor, joiner):
+        for downloading, epoch in ((True, -1), (False, 6)):
+            with joiner.announcing(step=7, downloading=downloading):
+                time.sleep(2 * TTL_S)  # announced again by its thread, after the first record expired
+                assert donor.refresh(step=9, pending_samples=0)[joiner.peer_id].epoch == epoch
 
 
 def test_keep_fresh_waits_for_no_read_and_a_failed_read_leaves_the_view(monkeypatch):
