@@ -248,8 +248,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             self._no_round_alone("no other peer in the swarm's progress", others=False)
             self._round_clean = True  # "no other peers": this peer's gradient is the whole update
             self._load_exact_local_gradients()
-            if self.grad_averager is not None:
-                self.grad_averager.notify_used_averaged_gradients()
+            self.grad_averager.notify_used_averaged_gradients()
             return
         try:
             # the averager decides within its deadline (matchmaking) plus one all-reduce with its commit step: waiting
@@ -378,9 +377,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             super()._update_global_epoch(grad_scaler)
         except NoSwarmRound as e:
             self.skipped_rounds += 1
-            # nothing of the round is used: hivemind's next round would warn that its results were not
-            if self.grad_averager is not None:
-                self.grad_averager.notify_used_averaged_gradients()
+            self.grad_averager.notify_used_averaged_gradients()  # nothing of it is used: hivemind's next round warns
             self._others.reach_now()
             if isinstance(self.tracker, PacedTracker):
                 self.tracker.read_before_next_round()
