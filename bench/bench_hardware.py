@@ -12,14 +12,16 @@ For each model config and batch shape, one after the other on this machine:
 2. node alone: one `python -m dtrain.cli` process of the tree this bench lives in (PYTHONPATH set to it), default
    flags except the model, the text (--train-data), the batch shape, the device, the --sync mode, --node-args, a
    free --port and a run id of its own, listening on 127.0.0.1 only. After it printed its join hint, it warms up for
-   --warmup seconds and until its first update; then its `/api/v1/swarm/status` is read twice, --window seconds
-   apart. The samples it trained are applied_samples + pending_samples (pending: trained, not yet applied by an
-   (outer) update; an update moves them to applied, so the sum only grows); samples/s is the difference over the
-   time between the reads.
+   --warmup seconds and until its first update; then its `/api/v1/swarm/status` is read twice: right after an update,
+   and right after the first update at least --window seconds later (whole cycles of updates: a low-comm node's
+   samples count as it trains them and its outer round comes after, so a window cut across a cycle would leave the
+   round out or count it whole). The samples it trained are applied_samples + pending_samples (pending: trained,
+   not yet applied by an (outer) update; an update moves them to applied, so the sum only grows); samples/s is the
+   difference over the time between the reads.
 3. two nodes: node A as above until its first update, then node B with A's printed multiaddrs as --initial-peers
-   and the same flags. The window opens once B has made an update of the swarm since it answered, A trained since B
-   was ready, and --warmup seconds went by since then; the swarm's samples/s is the sum of both nodes' differences
-   over the same window. The ratio is to ONE plain loop: the two nodes share this machine's cores.
+   and the same flags. The window opens (at A's next update) once B has made an update of the swarm since it
+   answered, A trained since B was ready, and --warmup seconds went by since then; the swarm's samples/s is the
+   sum of both nodes' differences over the same window (closed at one of A's updates, as above). The ratio is to ONE plain loop: the two nodes share this machine's cores.
 
 tokens/s is samples/s x the sequence length. The last column is the CPU time per second of the window of what
 was measured (the bench's process, the nodes' process trees) and of every other process on the machine (from
@@ -148,9 +150,22 @@ def wait_quiet(nodes: list, max_wait_s: float, busy_cores: float = 0.3, sample_s
         say(f"  other processes use {others:.2f} cores: waiting for the machine to be quiet")
 
 
+def after_update(node: Node, nodes: list[Node], timeout_s: float) -> None:
+    """Returns once `node` made its next update (its status's count of updates grew), read every 0.25 s."""
+    before = node.status()["updates"]
+    wait_for(f"an update of {node.name}'s", lambda: node.status()["updates"] > before, nodes, timeout_s,
+             interval_s=0.25)
+
+
 def window(nodes: list[Node], window_s: float, quiet_wait_s: float) -> list[dict]:
-    """Each node's samples trained over the same --window seconds (two status reads), with its updates in between."""
+    """Each node's samples trained over the same window (two status reads), with its updates in between. The window
+    is whole cycles of updates: it opens right after an update of the first node's and closes right after the first
+    of its updates at least `window_s` later, so that it holds its outer rounds in proportion (a low-comm node's
+    samples count as it trains them, its round is paid later: a window shorter than a cycle, or cut across one,
+    shows its inner loop's speed without the round)."""
     wait_quiet(nodes, quiet_wait_s)
+    cycle_wait_s = max(600.0, 5 * window_s)
+    after_update(nodes[0], nodes, cycle_wait_s)
     first = [node.trained() for node in nodes]
     cpu0 = [cpu_seconds([n.proc.pid, *tree(n.proc.pid)[1:]]) for n in nodes]
     children0 = [cpu_seconds(tree(n.proc.pid)[1:]) for n in nodes]
@@ -161,6 +176,7 @@ def window(nodes: list[Node], window_s: float, quiet_wait_s: float) -> list[dict
         for node in nodes:
             node.alive()
         time.sleep(min(0.5, max(0.0, window_s - (time.monotonic() - opened))))
+    after_update(nodes[0], nodes, cycle_wait_s)
     cpu1 = [cpu_seconds([n.proc.pid, *tree(n.proc.pid)[1:]]) for n in nodes]
     children = [cpu_seconds(tree(n.proc.pid)[1:]) - c0 for n, c0 in zip(nodes, children0)]
     busiest = [busiest_thread_seconds(n.proc.pid, t0)[0] for n, t0 in zip(nodes, threads0)]
@@ -291,7 +307,8 @@ def main() -> None:
                                               "temporary file for the nodes' --train-data)")
     ap.add_argument("--node-args", default="", help="more dtrain-node flags for every node row, e.g. "
                     "\"--torch-threads 1\" (two nodes that share the cores then do not oversubscribe them)")
-    ap.add_argument("--window", type=float, default=60.0, help="timed seconds of each row")
+    ap.add_argument("--window", type=float, default=60.0, help="timed seconds of each node row at least (whole cycles "
+                                                               "of updates; the plain loop's exactly)")
     ap.add_argument("--warmup", type=float, default=30.0, help="node rows: seconds after ready (or after B joined) "
                                                                "before the window, and at least until an update")
     ap.add_argument("--ready-timeout", type=float, default=300.0,
