@@ -17,6 +17,7 @@ from datetime import datetime
 
 import pytest
 
+from dtrain.node.swarm.presence import ANNOUNCE_EVERY_S
 from tests import netns
 from tests.nodeproc import TINY_CONFIG, maddrs_on, new_run_id, shown_on_failure, start_in, wait_until
 from tests.sampler import Sampler
@@ -40,6 +41,8 @@ NO_GROUP = re.compile(r"Gradient (round|averaging) failed \(.*could not find a g
 TOGETHER = re.compile(r"\] update (\d+): .* 2 peers, ")  # an update of a round that averaged two peers
 ALONE = re.compile(r"\] update (\d+): .* 1 peers, ")  # an update of this node alone
 MIN_WINDOW_S = 10.0  # a download shorter than this says nothing about the founder's pace
+CAUGHT_UP = re.compile(r"Caught up from epoch \d+ to \d+ by replaying")
+READY = re.compile(r"Node ready at step")
 
 
 def stamp(line: str) -> float:
@@ -62,6 +65,12 @@ def windows(output: str) -> list[tuple[float, float]]:
 
 def stamped(output: str, pattern: re.Pattern) -> list[float]:
     return [stamp(line) for line in output.splitlines() if pattern.search(line)]
+
+
+def ready_after_state(output: str) -> float:
+    """Seconds from a joiner's state (its download's end, or the replay after it) to its "Node ready"."""
+    ready = stamped(output, READY)[0]
+    return ready - max(t for t in stamped(output, END) + stamped(output, CAUGHT_UP) if t <= ready)
 
 
 def sparse_swarm_args(tmp_path, timeouts) -> list[str]:
@@ -113,7 +122,10 @@ def test_the_founder_keeps_training_while_a_joiner_downloads_and_when_it_comes_b
                            "a round of A and B, back", 1.0)
             a_log = a.output()
             a_updates, a_no_group = stamped(a_log, UPDATE), stamped(a_log, NO_GROUP)
-            assert "may take itself for alone" in first_b  # A trained alone: B let it read its announcement first
+            # A trained alone: B's first request for ranges tells it that it is not (no wait for its announcement to
+            # be read), and what A updated during the download was in its round log, which brought the ranges forward
+            assert "may take itself for alone" not in first_b
+            assert re.search(r"Downloaded the state of epoch \d+ in ranges", first_b), windows(first_b)
             downloads = windows(first_b) + windows(back.output())
             assert len(windows(first_b)) >= 1 and len(windows(back.output())) >= 1, downloads
             timed = [(s, e) for s, e in downloads if e - s >= MIN_WINDOW_S]
@@ -129,6 +141,10 @@ def test_the_founder_keeps_training_while_a_joiner_downloads_and_when_it_comes_b
             waited = [t for t in a_no_group if t >= killed]
             assert len(waited) <= 1, f"A looked for a group without B {len(waited)} times after B left"
             assert "previous round results were not used" not in a_log  # hivemind's warning after a failed round
+            # a joiner that downloaded trains at once (announced all along, counted by its progress record): no wait
+            # for its announcement to be read, in which the others' round closed without it
+            for joiner in (first_b, back.output()):
+                assert ready_after_state(joiner) < ANNOUNCE_EVERY_S
             # back, B serves the bytes A serves for the same step
             step = back.status()["step"]
             wait_until(lambda: step in a.digests() and step in back.digests(), 60, f"both digests of step {step}", 0.5)

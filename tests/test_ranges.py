@@ -233,8 +233,10 @@ def test_a_donor_serves_one_epochs_momentum_in_place_and_answers_a_bad_request_w
     # on through the outer step after it, with that epoch's bytes, not the step's
     copying = statefetch.RangeDonor(layout, version=lambda: version[0], hold_wait_s=0.5, serving_s=1.0)
     copying.hold(3, params, codes, scales)  # nobody asked yet: in place
+    assert not copying.serving()  # nobody downloads from it (the node may be alone: TrainingNode.alone)
     version[0] += 2
     assert asyncio.run(answer(request, by=copying)) == b""
+    assert copying.serving()  # a joiner asked, even with nothing to answer
     copying.hold(4, params, codes, scales)  # asked a moment ago: copied
     before = (codes[0][-1].item(), scales[0][-1].item())
     version[0] += 1  # an outer step under way...
@@ -245,6 +247,7 @@ def test_a_donor_serves_one_epochs_momentum_in_place_and_answers_a_bad_request_w
     assert (codes[0][-1].item(), scales[0][-1].item()) != before  # ...which moved the optimizer's own tensors
     version[0] += 1
     time.sleep(1.0)  # nobody asked since: the next epoch is read in place again
+    assert not copying.serving()
     copying.hold(5, params, codes, scales)
     version[0] += 2
     assert asyncio.run(answer(request, by=copying)) == b""

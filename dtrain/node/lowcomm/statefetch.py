@@ -110,6 +110,10 @@ class RangeDonor:
         if service is not None:
             service.add_handler(RANGE_HANDLER, self.serve, wrappers_pb2.BytesValue, stream_output=True)
 
+    def serving(self) -> bool:
+        """A range was asked for in the last `serving_s`: a joiner downloads from this node."""
+        return time.monotonic() - self._asked_at < self._serving_s
+
     def hold(self, epoch: int, params: Sequence[np.ndarray], codes: Sequence[torch.Tensor],
              scales: Sequence[torch.Tensor]) -> None:
         """Serve epoch `epoch`: `params` are its snapshot's arrays, `codes` and `scales` the outer optimizer's
@@ -123,7 +127,7 @@ class RangeDonor:
                              f"{sum(len(c) for c in flat_codes)} momentum codes, not this model's "
                              f"{self._layout.total} in its tensors")
         version = self._version()
-        if time.monotonic() - self._asked_at < self._serving_s and version % 2 == 0:
+        if self.serving() and version % 2 == 0:
             copies = (tuple(c.copy() for c in flat_codes), tuple(s.copy() for s in flat_scales))
             if self._version() == version:  # nothing wrote the momentum meanwhile: one epoch's bytes
                 self._held = Held(epoch, tuple(params), *copies, version, copied=True)

@@ -61,16 +61,9 @@ class SwarmFollower:
         """A joiner serves nothing the swarm disagrees with: it downloads until the bytes agree (bounded)."""
         node = self.node
         swarm = node.config.swarm
-        # a node alone until it reads this one's announcement makes an update of every inner step (the spec's single
-        # server), which no round log holds, so a state copied before its last such update lands behind it with
-        # nothing to replay, and the joiner downloads it all again: with one other node, it waits for that node to
-        # read the announcement. Two or more see each other and none is alone: the download begins at once
-        others = [peer for peer in node.presence.refresh(0, 0) if peer != node.swarm.peer_id]
-        if len(others) == 1:
-            logger.info(f"Node {others[0]} may take itself for alone: waiting {JOIN_ANNOUNCE_S:g}s for it to read "
-                        f"this node's announcement before the download")
-            self.stop.wait(JOIN_ANNOUNCE_S)
         if node.low_comm and swarm.wire_codec == "sparse" and swarm.state_donors > 0:
+            # at once: a donor asked for ranges is not alone (TrainingNode.alone), so what it updates meanwhile is
+            # in its round log, which brings the ranges forward
             node.presence.refresh(0, 0)  # announced while it downloads, as below
             spread = SpreadDownload(node.swarm, node.agreement, node.model, node.catchup, swarm.topk_fraction,
                                     swarm.state_donors, self.stop,
@@ -81,6 +74,7 @@ class SwarmFollower:
             except Exception as e:  # whatever went wrong, the download below overwrites what it wrote
                 logger.exception(f"The download in ranges failed: {e!r}")
             logger.info("The download in ranges did not give the swarm's state; downloading it from one peer")
+        self._until_seen()
         deadline = time.monotonic() + timeout_s
         while True:
             # announced while it downloads, so that the nodes it joins are not alone: they make outer rounds every
@@ -95,11 +89,23 @@ class SwarmFollower:
                                    f"within {timeout_s:.0f}s; is the swarm training faster than this link?")
         return result
 
+    def _until_seen(self) -> None:
+        """A node alone until it reads this one's announcement makes updates as a node alone, which no round log
+        holds, so a state copied from it before its last such update lands behind it with nothing to replay, and
+        the joiner downloads it all again: with one other node, the joiner waits for that node to read its
+        announcement before hivemind's download (a download in ranges tells the donor itself). Two or more see
+        each other and none is alone."""
+        node = self.node
+        others = [peer for peer in node.presence.refresh(0, 0) if peer != node.swarm.peer_id]
+        if len(others) == 1:
+            logger.info(f"Node {others[0]} may take itself for alone: waiting {JOIN_ANNOUNCE_S:g}s for it to read "
+                        f"this node's announcement before the download")
+            self.stop.wait(JOIN_ANNOUNCE_S)
+
     def after_join_download(self) -> None:
         """A joiner's download lands behind the rounds the swarm made meanwhile: it replays them at once, by a fresh
-        read of the swarm's epoch (the tracker's may be from before the download ended), before it announces its
-        epoch and waits for the others to read it (TrainingNode._join). The wait then counts it into their next
-        round, where before it was spent at an epoch they had left, and the replay came after it."""
+        read of the swarm's epoch (the tracker's may be from before the download ended), and arrives late into the
+        epoch the others train, its round due with theirs (TrainingNode._join starts its training at once)."""
         node = self.node
         fresh = node.swarm.optimizer.read_swarm_epoch()
         self.catch_up(node.agreement.saw(fresh if fresh is not None else -1))

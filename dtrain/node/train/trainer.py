@@ -378,9 +378,13 @@ class TrainingNode:
         self._last_checkpoint_epoch = opt.local_epoch
         if self._first_state == "download":
             self.follower.after_join_download()
-        if any(peer != swarm.peer_id for peer in self.presence.refresh(self.step, 0)):
+        peers = [peer for peer in self.presence.refresh(self.step, 0) if peer != swarm.peer_id]
+        if peers and self._first_state != "download":
             # ready once every node has read this one's announcement: until then a node that takes a packet believes
-            # it is alone and updates at once; a joiner was announced as downloading (epoch -1), in no round of theirs
+            # it is alone and updates at once. A joiner that downloaded was announced all through its download and
+            # replay, and its progress record names the epoch it brought its state to, by which the others' next
+            # round counts it: it trains at once, its round due with theirs (arrive_late). Waiting here, it let
+            # their round close without it, replayed that round and waited for the next
             self._stop.wait(ANNOUNCE_EVERY_S + 0.5)
         if self._first_state == "download":
             self.follower.arrive_late()
@@ -410,8 +414,12 @@ class TrainingNode:
     # ---- what the loops run on (training thread only) ------------------------------------------------------
 
     def alone(self) -> bool:
-        """No other node in the swarm, as the presence records and the swarm's progress show."""
+        """No other node in the swarm, as the presence records and the swarm's progress show, and no joiner
+        downloading ranges of this node's state: one asks at once, before this node read its announcement, and
+        what this node updates meanwhile must be rounds its log holds (a node alone's updates are not)."""
         self.presence.keep_fresh(self.step, self.gradient.samples)  # a node that joined since must not be missed
+        if self.donor is not None and self.donor.serving():
+            return False
         return self.presence.alone() and self.swarm.optimizer.tracker.global_progress.num_peers <= 1
 
     def trains_on_own_data(self) -> bool:
