@@ -47,7 +47,7 @@ def _tracker(local_epoch: int, key: bytes = b"me", client: bool = False) -> Pace
     tracker.swarm_epochs = []  # what it hands the averager at each read (node.swarm.groupsize.BehindTheSwarm)
     tracker.on_swarm_epoch = tracker.swarm_epochs.append
     tracker.round_due, tracker.between_rounds_s, tracker._others_due_at, tracker._due_at = None, 3.0, None, None
-    tracker._reads, tracker._read_wait = 0, (0, 0.0)
+    tracker._reads, tracker._read_wait, tracker._parsed = 0, (0, 0.0), (0, None)
     tracker._counted, tracker._missing = {}, (-1, frozenset())
     tracker.dht, tracker.client_mode = type("DHT", (), {"peer_id": PeerID(b"me")})(), client
     tracker.should_report_progress, tracker.global_state_updated = threading.Event(), threading.Event()
@@ -229,6 +229,22 @@ def test_after_a_round_that_gave_no_update_the_next_waits_for_a_fresh_read_of_th
     tracker.read_before_next_round()
     tracker._read_wait = (tracker._read_wait[0], time.monotonic() - 1.0)
     assert tracker.ready_to_update_epoch
+
+
+def test_a_node_whose_state_just_came_reads_the_swarms_progress_by_a_read_that_began_after_it():
+    # the read from before a replay: the swarm at epoch 5 with no samples yet, this node still at 4 and not counted
+    tracker = _tracker(4)
+    tracker.global_progress = tracker._parse_swarm_progress_data({b"a": _entry(5, 0, peer=b"a")})
+    assert tracker.global_progress.num_peers == 1
+    tracker.local_progress = tracker.local_progress.copy(update=dict(epoch=5, samples_accumulated=0))  # replayed
+    tracker.read_before_next_round()
+    assert tracker.fresh_progress(0.2) is None  # the read asked for has not come
+    after = {b"me": _entry(5, 0, peer=b"me"), b"a": _entry(5, 12, peer=b"a")}
+    threading.Timer(0.3, lambda: setattr(tracker, "global_progress",
+                                         tracker._parse_swarm_progress_data(after))).start()
+    progress = tracker.fresh_progress(5.0)
+    assert progress is not None and (progress.epoch, progress.samples_accumulated, progress.num_peers) == (5, 12, 2)
+    assert tracker.fresh_progress(0.0) is progress  # nothing asked since: the last read is fresh
 
 
 def test_a_peer_one_epoch_behind_whose_round_is_due_counts_until_a_round_that_counted_it_went_without_it():

@@ -91,6 +91,7 @@ class PacedTracker(ProgressTracker):
         self._missing: tuple[int, frozenset[str]] = (-1, frozenset())
         # no round before this many reads of the swarm's progress, until when (`read_before_next_round`)
         self._reads, self._read_wait = 0, (0, 0.0)
+        self._parsed: tuple[int, Optional[GlobalTrainingProgress]] = (0, None)  # (_reads, what that read parsed)
         super().__init__(*args, **kwargs)
 
     @property
@@ -145,6 +146,7 @@ class PacedTracker(ProgressTracker):
         else:
             self._others_due_at = None
         self._reads += 1
+        self._parsed = (self._reads, progress)  # hivemind makes it global_progress as this returns
         self.on_swarm_epoch(progress.epoch)
         if self.round_due is not None and not self.round_due():
             progress.next_fetch_time = max(progress.next_fetch_time, get_dht_time() + self.between_rounds_s)
@@ -187,6 +189,18 @@ class PacedTracker(ProgressTracker):
         self._read_wait = (self._reads + 1 + in_flight, time.monotonic() + READ_WAIT_S)
         self.global_progress.next_fetch_time = get_dht_time()
         self.global_state_updated.set()
+
+    def fresh_progress(self, timeout_s: float) -> Optional[GlobalTrainingProgress]:
+        """The swarm's progress by the read `read_before_next_round` asked for, once it came (waited for at most
+        `timeout_s`); None if it did not come by then. After a download or a replay the read from before shows the
+        swarm as it was before this node's state came: at an earlier epoch, or without this node in the count."""
+        reads, _ = self._read_wait
+        deadline = time.monotonic() + timeout_s
+        while (parsed := self._parsed)[0] < reads:
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+        return parsed[1]
 
     @property
     def estimated_next_update_time(self) -> float:

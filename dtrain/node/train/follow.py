@@ -32,6 +32,7 @@ logger = get_logger(__name__)
 
 # how long a joiner, announced, waits before it downloads: two of every node's looks at the announcements
 JOIN_ANNOUNCE_S = 2 * ANNOUNCE_EVERY_S
+FRESH_READ_WAIT_S = 3.0  # the longest a node that caught up waits for a read of the swarm's progress (arrive_late)
 
 
 class SwarmFollower:
@@ -187,7 +188,11 @@ class SwarmFollower:
         node = self.node
         if node.rounds is None or node.unverified:
             return
-        progress = node.swarm.optimizer.tracker.global_progress
+        # by a read after its state came: the one before showed the swarm as it was then, often with this node not
+        # yet at the others' epoch and so "nobody else trains", and a joiner of a founder trained a whole round
+        # before its first while the founder, done with its own inner updates, waited for it
+        tracker = node.swarm.optimizer.tracker
+        progress = tracker.fresh_progress(FRESH_READ_WAIT_S) or tracker.global_progress
         if progress.epoch != node.swarm.epoch or progress.samples_accumulated <= 0 or progress.num_peers <= 1:
             return  # nobody else trains in this epoch (a node alone counts its own samples): it arrives nowhere
         node.swarm.optimizer.arrived_in = progress.epoch  # no update alone in it (SwarmOptimizer._no_round_alone)
