@@ -235,7 +235,7 @@ def test_a_node_whose_state_just_came_reads_the_swarms_progress_by_a_read_that_b
     # the read from before a replay: the swarm at epoch 5 with no samples yet, this node still at 4 and not counted
     tracker = _tracker(4)
     tracker.global_progress = tracker._parse_swarm_progress_data({b"a": _entry(5, 0, peer=b"a")})
-    assert tracker.global_progress.num_peers == 1
+    assert tracker.global_progress.num_peers == 1 and tracker.others_counted(5) == 1
     tracker.local_progress = tracker.local_progress.copy(update=dict(epoch=5, samples_accumulated=0))  # replayed
     tracker.read_before_next_round()
     assert tracker.fresh_progress(0.2) is None  # the read asked for has not come
@@ -245,6 +245,9 @@ def test_a_node_whose_state_just_came_reads_the_swarms_progress_by_a_read_that_b
     progress = tracker.fresh_progress(5.0)
     assert progress is not None and (progress.epoch, progress.samples_accumulated, progress.num_peers) == (5, 12, 2)
     assert tracker.fresh_progress(0.0) is progress  # nothing asked since: the last read is fresh
+    # a read that does not hold this node's record at its new epoch yet counts it out of num_peers, not the others
+    alone_looking = tracker._parse_swarm_progress_data({b"a": _entry(5, 20, peer=b"a")})
+    assert alone_looking.num_peers == 1 and tracker.others_counted(5) == 1
 
 
 def test_a_peer_one_epoch_behind_whose_round_is_due_counts_until_a_round_that_counted_it_went_without_it():

@@ -190,6 +190,11 @@ class PacedTracker(ProgressTracker):
         self.global_progress.next_fetch_time = get_dht_time()
         self.global_state_updated.set()
 
+    def others_counted(self, epoch: int) -> int:
+        """How many other peers the last read at `epoch` counted for its round (this one left out: a read made just
+        after this node's state came may not hold its own record yet)."""
+        return len(self._counted.get(epoch, ()))
+
     def fresh_progress(self, timeout_s: float) -> Optional[GlobalTrainingProgress]:
         """The swarm's progress by the read `read_before_next_round` asked for, once it came (waited for at most
         `timeout_s`); None if it did not come by then. After a download or a replay the read from before shows the

@@ -188,15 +188,16 @@ class SwarmFollower:
         node = self.node
         if node.rounds is None or node.unverified:
             return
-        # by a read after its state came: the one before showed the swarm as it was then, often with this node not
-        # yet at the others' epoch and so "nobody else trains", and a joiner of a founder trained a whole round
-        # before its first while the founder, done with its own inner updates, waited for it
+        # by a read after its state came, and by the others that read counted: the read from before showed the
+        # swarm as it was then, and even a fresh one may not hold this node's own record at its new epoch yet
+        # (counted by num_peers, the node looked alone: "nobody else trains"). A joiner of a founder so trained a
+        # whole round before its first while the founder, done with its own inner updates, waited for it
         tracker = node.swarm.optimizer.tracker
         progress = tracker.fresh_progress(FRESH_READ_WAIT_S) or tracker.global_progress
-        if progress.epoch != node.swarm.epoch or progress.samples_accumulated <= 0 or progress.num_peers <= 1:
+        others = tracker.others_counted(progress.epoch)
+        if progress.epoch != node.swarm.epoch or progress.samples_accumulated <= 0 or others == 0:
             return  # nobody else trains in this epoch (a node alone counts its own samples): it arrives nowhere
         node.swarm.optimizer.arrived_in = progress.epoch  # no update alone in it (SwarmOptimizer._no_round_alone)
-        others = max(1, progress.num_peers - 1)
         done = int(progress.samples_accumulated / others / max(1, node.config.local_batch_size))
         late = min(node.rounds.inner_steps - 1, max(done, 0))
         if late > node.rounds.steps:
