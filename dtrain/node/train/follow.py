@@ -106,10 +106,14 @@ class SwarmFollower:
     def after_join_download(self) -> None:
         """A joiner's download lands behind the rounds the swarm made meanwhile: it replays them at once, by a fresh
         read of the swarm's epoch (the tracker's may be from before the download ended), and arrives late into the
-        epoch the others train, its round due with theirs (TrainingNode._join starts its training at once)."""
+        epoch the others train, its round due with theirs. TrainingNode._join then starts its training at once: it
+        was announced all through its download and replay, and its progress record names its epoch, by which the
+        others' next round counts it. A joiner that waited there for its announcement to be read arrived with its
+        round due while the others' round closed without it, and replayed that round too."""
         node = self.node
         fresh = node.swarm.optimizer.read_swarm_epoch()
         self.catch_up(node.agreement.saw(fresh if fresh is not None else -1))
+        self.arrive_late()  # also when there was nothing to catch up (catch_up arrives late after a replay itself)
 
     def serves_my_bytes(self) -> bool:
         """A restored checkpoint of the swarm's current epoch: do the peers serve the same bytes?"""

@@ -377,17 +377,11 @@ class TrainingNode:
             self.publisher.share_state()
         self._last_checkpoint_epoch = opt.local_epoch
         if self._first_state == "download":
-            self.follower.after_join_download()
-        peers = [peer for peer in self.presence.refresh(self.step, 0) if peer != swarm.peer_id]
-        if peers and self._first_state != "download":
-            # ready once every node has read this one's announcement: until then a node that takes a packet believes
-            # it is alone and updates at once. A joiner that downloaded was announced all through its download and
-            # replay, and its progress record names the epoch it brought its state to, by which the others' next
-            # round counts it: it trains at once, its round due with theirs (arrive_late). Waiting here, it let
-            # their round close without it, replayed that round and waited for the next
+            self.follower.after_join_download()  # its replay, then it arrives late and trains at once
+        if any(peer != swarm.peer_id for peer in self.presence.refresh(self.step, 0)) and \
+                self._first_state != "download":  # a joiner that downloaded was announced all along
+            # ready once every node has read its announcement: till then a node that takes a packet updates alone
             self._stop.wait(ANNOUNCE_EVERY_S + 0.5)
-        if self._first_state == "download":
-            self.follower.arrive_late()
         logger.info(f"Node ready at step {self.step} (epoch {opt.local_epoch})")
 
     # ---- the training thread -------------------------------------------------------------------------------
@@ -414,9 +408,7 @@ class TrainingNode:
     # ---- what the loops run on (training thread only) ------------------------------------------------------
 
     def alone(self) -> bool:
-        """No other node in the swarm, as the presence records and the swarm's progress show, and no joiner
-        downloading ranges of this node's state: one asks at once, before this node read its announcement, and
-        what this node updates meanwhile must be rounds its log holds (a node alone's updates are not)."""
+        """No other node in the swarm (presence, the swarm's progress), and no joiner asking for ranges (follow.py)."""
         self.presence.keep_fresh(self.step, self.gradient.samples)  # a node that joined since must not be missed
         if self.donor is not None and self.donor.serving():
             return False
