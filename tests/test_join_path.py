@@ -4,6 +4,7 @@ import logging
 import threading
 import time
 
+import hivemind
 import pytest
 from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.p2p import PeerID
@@ -275,3 +276,22 @@ def test_a_peer_one_epoch_behind_whose_round_is_due_counts_until_a_round_that_co
     assert read({b"me": me, b"b": b, b"c": _entry(5, 8, peer=b"c", rate=0.0)}) == (2, True)
     assert read({b"me": me, b"b": b, b"c": _entry(5, 8, peer=b"c", rate=0.0),
                  b"d": _entry(5, 8, peer=b"d", rate=0.0)}) == (3, True)
+
+
+@pytest.mark.slow
+def test_a_joiner_reads_the_swarms_progress_at_once_not_at_the_pace_between_rounds():
+    """A joiner decides how to take the state by the swarm's epoch, read by the tracker's fetcher (a real DHT and
+    tracker thread here). The tracker's first read, made as it started, is not a fetch, and the fetcher's first
+    came at the pace between rounds: a joiner waited up to that long (2.8 s of a 12.6 s start on loopback)."""
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    tracker = PacedTracker(dht=dht, prefix=f"join-{time.monotonic_ns()}", target_batch_size=1, settle_s=1.0,
+                           round_due=lambda: False, between_rounds_s=30.0, start=True)
+    try:
+        assert not tracker.fetched_global_progress_this_epoch.wait(0.5)  # at the pace between rounds: not yet
+        asked = time.monotonic()
+        tracker.read_now()
+        assert tracker.fetched_global_progress_this_epoch.wait(5.0), "the read asked for did not come"
+        assert time.monotonic() - asked < 2.0
+    finally:
+        tracker.shutdown()
+        dht.shutdown()

@@ -168,8 +168,11 @@ class Swarm:
         return self.optimizer.local_epoch
 
     def wait_for_progress(self, timeout_s: float) -> bool:
-        """Bounded wait for the tracker's first look at the swarm's progress (so global_epoch is real)."""
-        return self.optimizer.tracker.fetched_global_progress_this_epoch.wait(timeout_s)
+        """Bounded wait for the tracker's first look at the swarm's progress (so global_epoch is real), asked for
+        now."""
+        tracker = self.optimizer.tracker
+        tracker.read_now()
+        return tracker.fetched_global_progress_this_epoch.wait(timeout_s)
 
     def shutdown(self, timeout_s: Optional[float] = None) -> None:
         """Idempotent: the training thread and a stopping main thread may both call it.

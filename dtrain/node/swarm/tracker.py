@@ -168,6 +168,14 @@ class PacedTracker(ProgressTracker):
             return
         self._due_at = local.epoch
         self.report_local_progress(local.epoch, local.samples_accumulated)
+        self.read_now()
+
+    def read_now(self) -> None:
+        """The swarm's progress is read now, not at the pace between rounds (hivemind's fetcher waits on
+        `global_state_updated` until `next_fetch_time`; woken, it waits again for the time left, none). A joiner
+        waits for this read before it decides how to take the state (node.swarm.swarm.Swarm.wait_for_progress): at
+        the pace between rounds it came up to `between_rounds_s` after the tracker's first read, which was made
+        as it started and does not count as a fetch."""
         self.global_progress.next_fetch_time = get_dht_time()
         self.global_state_updated.set()
 
@@ -187,8 +195,7 @@ class PacedTracker(ProgressTracker):
         may carry what the swarm looked like before."""
         in_flight = self.lock_global_progress.locked()
         self._read_wait = (self._reads + 1 + in_flight, time.monotonic() + READ_WAIT_S)
-        self.global_progress.next_fetch_time = get_dht_time()
-        self.global_state_updated.set()
+        self.read_now()
 
     def others_counted(self, epoch: int) -> int:
         """How many other peers the last read at `epoch` counted for its round (this one left out: a read made just
