@@ -163,3 +163,36 @@ def test_a_member_killed_inside_the_round_ends_it_on_the_others_well_before_its_
         assert all(isinstance(result, AbortedRound) for result in results), results
         assert any(victim_id in result.reason for result in results), results
         assert took < 25.0, f"the others waited {took:.1f}s for a member that had died"
+
+
+def _anon_bytes() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss_Anon:"))
+
+
+class Measured(SparseGatherAverager):
+    """A member whose process records what handing back the round's freed memory (`_hand_back`) gave the system."""
+
+    def __init__(self, *args, **kwargs):
+        self.handed_back = mp.RawValue(ctypes.c_longlong, -1)
+        super().__init__(*args, **kwargs)
+
+    def _hand_back(self) -> None:
+        before = _anon_bytes()
+        super()._hand_back()
+        self.handed_back.value = before - _anon_bytes()
+
+
+def test_a_round_hands_back_what_it_decoded():
+    """The payloads a round decodes (8 bytes per element carried, a piece at a time) are free once averaged, and
+    glibc keeps freed pieces in the process's heap: every member hands them back to the system after the round."""
+    elements = 10_000_000
+    decoded = 8 * sparse.kept(elements, FRACTION)  # int32 positions and f32 values of one member's payload
+    g = torch.Generator().manual_seed(0)
+    grads = [sparse.quantize(sparse.top_k([torch.randn(elements, generator=g)], FRACTION))[0] for _ in range(2)]
+    with averagers(lambda i, owner: partial(Measured, fraction=FRACTION, record_subkey=owner.subkey), grads,
+                   target_group_size=2, min_group_size=2, **OPTS) as group:
+        outcomes = run(group)
+        assert all(applied(result) for result, _, _ in outcomes), outcomes
+        handed_back = [averager.handed_back.value for _, averager in group]
+    assert all(b >= decoded for b in handed_back), f"handed back {handed_back} bytes, one payload decodes to {decoded}"

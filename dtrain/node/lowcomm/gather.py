@@ -39,6 +39,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import enter_asynchronously
 from hivemind.utils.logging import get_logger
 
+from dtrain.node import memory
 from dtrain.node.lowcomm import record, sparse
 from dtrain.node.lowcomm.roundfiles import HEADER, UNKNOWN_EPOCH, RoundFiles, framed, framed_size, unframed
 from dtrain.node.swarm.commit import CommittingGradientAverager, commit_window, record_key
@@ -179,7 +180,16 @@ class SparseGatherAverager(CommittingGradientAverager):
         # the round holds the averaged tensors (the node's .grad, node.swarm.commit) from its offer to its average,
         # as hivemind's all-reduce does: a node that stopped waiting for the round waits on that lock
         async with enter_asynchronously(self.get_tensors()) as tensors:
-            return await self._exchange_holding(tensors, group_info, weight)
+            try:
+                return await self._exchange_holding(tensors, group_info, weight)
+            finally:
+                self._hand_back()
+
+    def _hand_back(self) -> None:
+        """What the round decoded (every member's positions and values, a bounded piece at a time) is free once it is
+        averaged, and glibc kept it in this process's heap: GPT-2 small's averager held 0.6 GiB (1.4x its fp32
+        parameters) between rounds so. Handed back to the system after every round."""
+        memory.trim()
 
     async def _exchange_holding(self, tensors, group_info: GroupInfo, weight: float):
         began = get_dht_time()
