@@ -1,5 +1,6 @@
 """The join path's pure parts: a donor's bound on the state it streams (node.swarm.download.UploadPace) and which
-peers a round counts (node.swarm.optimizer.PacedTracker: only those at the swarm's epoch)."""
+peers a round counts (node.swarm.optimizer.PacedTracker: only those at the swarm's epoch); and, with a real DHT, the
+joiner's first read of the swarm's progress."""
 import logging
 import threading
 import time
@@ -281,8 +282,8 @@ def test_a_peer_one_epoch_behind_whose_round_is_due_counts_until_a_round_that_co
 @pytest.mark.slow
 def test_a_joiner_reads_the_swarms_progress_at_once_not_at_the_pace_between_rounds():
     """A joiner decides how to take the state by the swarm's epoch, read by the tracker's fetcher (a real DHT and
-    tracker thread here). The tracker's first read, made as it started, is not a fetch, and the fetcher's first
-    came at the pace between rounds: a joiner waited up to that long (2.8 s of a 12.6 s start on loopback)."""
+    tracker thread here). The tracker's first read, made as it starts, is not a fetch, and left to the pace between
+    rounds the fetcher's first comes that long after it: the joiner asks for it at once (`read_now`)."""
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     tracker = PacedTracker(dht=dht, prefix=f"join-{time.monotonic_ns()}", target_batch_size=1, settle_s=1.0,
                            round_due=lambda: False, between_rounds_s=30.0, start=True)

@@ -187,7 +187,7 @@ class SparseGatherAverager(CommittingGradientAverager):
 
     def _hand_back(self) -> None:
         """What the round decoded (every member's positions and values, a bounded piece at a time) is free once it is
-        averaged, and glibc kept it in this process's heap until a later allocation reused it (a round of two
+        averaged, and glibc keeps it in this process's heap until a later allocation reuses it (a round of two
         1M-element payloads leaves 31-35 MB so: tests/test_gather.py). Handed back to the system after every
         round."""
         memory.trim()

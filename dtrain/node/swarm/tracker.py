@@ -173,9 +173,9 @@ class PacedTracker(ProgressTracker):
     def read_now(self) -> None:
         """The swarm's progress is read now, not at the pace between rounds (hivemind's fetcher waits on
         `global_state_updated` until `next_fetch_time`; woken, it waits again for the time left, none). A joiner
-        waits for this read before it decides how to take the state (node.swarm.swarm.Swarm.wait_for_progress): at
-        the pace between rounds it came up to `between_rounds_s` after the tracker's first read, which was made
-        as it started and does not count as a fetch."""
+        waits for this read before it decides how to take the state (node.swarm.swarm.Swarm.wait_for_progress):
+        left to the pace between rounds, it comes up to `between_rounds_s` after the tracker's first read, which is
+        made as the tracker starts and does not count as a fetch."""
         self.global_progress.next_fetch_time = get_dht_time()
         self.global_state_updated.set()
 
