@@ -112,8 +112,8 @@ class SwarmFollower:
         round due while the others' round closed without it, and replayed that round too."""
         node = self.node
         fresh = node.swarm.optimizer.read_swarm_epoch()
-        self.catch_up(node.agreement.saw(fresh if fresh is not None else -1))
-        self.arrive_late()  # also when there was nothing to catch up (catch_up arrives late after a replay itself)
+        if not self.catch_up(node.agreement.saw(fresh if fresh is not None else -1)):
+            self.arrive_late()  # nothing to catch up: it arrives late all the same
 
     def serves_my_bytes(self) -> bool:
         """A restored checkpoint of the swarm's current epoch: do the peers serve the same bytes?"""
@@ -122,10 +122,10 @@ class SwarmFollower:
         records = node.agreement.records(epoch)
         return not records or any(r.digest == params_digest(node.model) for r in records.values())
 
-    def catch_up(self, swarm_epoch: int = -1) -> None:
+    def catch_up(self, swarm_epoch: int = -1) -> bool:
         """A node behind the swarm (by its tracker, or at `swarm_epoch` read otherwise), or holding bytes the swarm
         disagrees with, takes the swarm's state: by replaying the rounds it missed where it can, else by a download
-        (nothing pending is dropped)."""
+        (nothing pending is dropped), and arrives late into the swarm's epoch. False if there was nothing to take."""
         node = self.node
         opt = node.swarm.optimizer
         swarm_epoch = max(opt.tracker.global_epoch, swarm_epoch)
@@ -133,7 +133,7 @@ class SwarmFollower:
             # the swarm moved on without us: take its state (nothing pending is dropped)
             logger.info(f"Behind the swarm (epoch {opt.local_epoch} < {swarm_epoch}); loading state")
         elif not node.unverified:
-            return
+            return False
         if node.rounds is not None:
             node.rounds.enter_outer()  # the pseudo-gradient aside: the download replaces the parameters
         # announced meanwhile, as a joiner's first download (join_download): a replay over a slow link outlasts an
@@ -160,6 +160,7 @@ class SwarmFollower:
         # left the node inside the outer round it entered above, and every inner update after it failed
         self.after_catch_up(download)
         self.arrive_late()
+        return True
 
     def _download_to_catch_up(self) -> Download:
         node = self.node
